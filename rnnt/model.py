@@ -1,0 +1,250 @@
+"""The MLPerf RNN Transducer: encoder, prediction network and joint network.
+
+Shape letters used in the docstrings:
+    B batch, T audio frames (after frame splicing), T' = ceil(T / stack_time_factor) encoder
+    frames, U target tokens (without the start frame), H a hidden size, V = n_classes.
+
+The encoder and the prediction network are separate callables (`RNNT.encode`, `RNNT.predict`),
+each including its joint projection, so they can be captured as separate CUDA graphs with their
+own length buckets. This module imports no logging, data, apex or MLPerf code.
+
+Run `python -m rnnt.model CONFIG.yaml` to print the model and its parameter count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rnnt.config import ConfigError, ModelConfig
+
+LSTMState = tuple[torch.Tensor, torch.Tensor]  # (h, c), each (layers, B, H)
+
+
+def _init_lstm(lstm: nn.LSTM, forget_gate_bias: float, hh_bias_scale: float, scale: float) -> None:
+    """MLPerf init: forget-gate bias_ih := forget_gate_bias, forget-gate bias_hh *= hh_bias_scale,
+    then every LSTM weight and bias *= weights_init_scale. Gate order is (i, f, g, o)."""
+    hidden = lstm.hidden_size
+    with torch.no_grad():
+        for name, param in lstm.named_parameters():
+            if name.startswith("bias_ih"):
+                param[hidden : 2 * hidden].fill_(forget_gate_bias)
+            elif name.startswith("bias_hh"):
+                param[hidden : 2 * hidden].mul_(hh_bias_scale)
+        for param in lstm.parameters():
+            param.mul_(scale)
+
+
+class StackedLSTM(nn.Module):
+    """`num_layers` LSTM layers with dropout between layers and on the output.
+
+    Time-major: x (T, B, H_in) -> (T, B, H). With `decoupled=True` each layer is its own
+    nn.LSTM (same maths and parameter count as the multi-layer cuDNN LSTM).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int,
+        dropout: float,
+        cfg: ModelConfig,
+    ) -> None:
+        super().__init__()
+        self.decoupled = cfg.decoupled_rnns
+        self.num_layers = num_layers
+        if self.decoupled:
+            self.layers = nn.ModuleList(
+                nn.LSTM(input_size if i == 0 else hidden_size, hidden_size)
+                for i in range(num_layers)
+            )
+        else:
+            self.layers = nn.ModuleList(
+                [nn.LSTM(input_size, hidden_size, num_layers=num_layers, dropout=dropout)]
+            )
+        for lstm in self.layers:
+            _init_lstm(lstm, cfg.forget_gate_bias, cfg.hidden_hidden_bias_scale, cfg.weights_init_scale)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(
+        self, x: torch.Tensor, state: LSTMState | None = None
+    ) -> tuple[torch.Tensor, LSTMState]:
+        if not self.decoupled:
+            x, state = self.layers[0](x, state)
+            return self.dropout(x), state
+        hs, cs = [], []
+        for i, lstm in enumerate(self.layers):
+            layer_state = None if state is None else (state[0][i : i + 1], state[1][i : i + 1])
+            x, (h, c) = lstm(x, layer_state)
+            hs.append(h)
+            cs.append(c)
+            x = self.dropout(x)  # between layers and after the last, as nn.LSTM + output dropout
+        return x, (torch.cat(hs), torch.cat(cs))
+
+
+class StackTime(nn.Module):
+    """Concatenate groups of `factor` consecutive frames.
+
+    x (T, B, H) -> (ceil(T / factor), B, H * factor); lengths (B,) -> ceil(lengths / factor).
+    The tail is zero-padded to a multiple of `factor`.
+    """
+
+    def __init__(self, factor: int) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t, b, h = x.shape
+        pad = (-t) % self.factor
+        if pad:
+            x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        x = x.transpose(0, 1).reshape(b, (t + pad) // self.factor, h * self.factor)
+        lens = torch.div(lens + self.factor - 1, self.factor, rounding_mode="floor")
+        return x.transpose(0, 1), lens
+
+
+class Encoder(nn.Module):
+    """pre-RNN -> stack time -> post-RNN -> joint_enc projection.
+
+    x (T, B, in_feats), lens (B,) -> f (B, T', joint_n_hid), f_lens (B,).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hid = cfg.enc_n_hid
+        self.pre_rnn = StackedLSTM(cfg.in_feats, hid, cfg.enc_pre_rnn_layers, cfg.enc_dropout, cfg)
+        self.stack_time = StackTime(cfg.enc_stack_time_factor)
+        self.post_rnn = StackedLSTM(
+            hid * cfg.enc_stack_time_factor, hid, cfg.enc_post_rnn_layers, cfg.enc_dropout, cfg
+        )
+        self.joint_enc = nn.Linear(hid, cfg.joint_n_hid)
+
+    def forward(self, x: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, _ = self.pre_rnn(x)
+        x, lens = self.stack_time(x, lens)
+        x, _ = self.post_rnn(x)
+        return self.joint_enc(x.transpose(0, 1)), lens
+
+
+class Prediction(nn.Module):
+    """Label embedding -> LSTMs -> joint_pred projection.
+
+    Blank has no embedding: the index `blank_idx` (used both as the start-of-sequence symbol and
+    as padding) embeds to a zero vector, which keeps masked decoding branch-free.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.blank_idx = cfg.blank_idx
+        self.embed = nn.Embedding(cfg.n_classes - 1, cfg.pred_n_hid)
+        self.dec_rnn = StackedLSTM(
+            cfg.pred_n_hid, cfg.pred_n_hid, cfg.pred_rnn_layers, cfg.pred_dropout, cfg
+        )
+        self.joint_pred = nn.Linear(cfg.pred_n_hid, cfg.joint_n_hid)
+
+    def embed_labels(self, y: torch.Tensor) -> torch.Tensor:
+        """y (...) int labels in [0, V) -> (..., pred_n_hid); blank -> zeros."""
+        is_label = y != self.blank_idx
+        emb = self.embed(torch.where(is_label, y, torch.zeros_like(y)))
+        return emb * is_label.unsqueeze(-1).to(emb.dtype)
+
+    def forward(
+        self, y: torch.Tensor, state: LSTMState | None = None
+    ) -> tuple[torch.Tensor, LSTMState]:
+        """Teacher forcing: y (B, U) labels -> g (B, U+1, joint_n_hid) with a zero start frame.
+
+        Padding positions of y may hold any valid index; they only affect outputs past U_b.
+        """
+        emb = F.pad(self.embed_labels(y), (0, 0, 1, 0))  # prepend the blank start frame
+        g, state = self.dec_rnn(emb.transpose(0, 1), state)
+        return self.joint_pred(g.transpose(0, 1)), state
+
+    def step(
+        self, label: torch.Tensor, state: LSTMState | None
+    ) -> tuple[torch.Tensor, LSTMState]:
+        """One decoding step: label (B,) (blank = start) -> g (B, joint_n_hid), new state."""
+        emb = self.embed_labels(label).unsqueeze(0)  # (1, B, H)
+        g, state = self.dec_rnn(emb, state)
+        return self.joint_pred(g[0]), state
+
+
+class Joint(nn.Module):
+    """logits = fc(dropout(relu(f + g))), broadcast over (T, U+1).
+
+    The projections joint_enc / joint_pred live in Encoder / Prediction; this module holds only
+    the part that the fused loss kernel replaces.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(cfg.joint_dropout) if cfg.joint_dropout > 0 else nn.Identity()
+        self.fc = nn.Linear(cfg.joint_n_hid, cfg.n_classes)
+
+    def forward(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """f (B, T, H), g (B, U+1, H) -> logits (B, T, U+1, V)."""
+        h = torch.relu(f.unsqueeze(2) + g.unsqueeze(1))
+        return self.fc(self.dropout(h))
+
+    def step(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """f (B, H), g (B, H) -> logits (B, V) (no broadcast; used by the decoders)."""
+        return self.fc(self.dropout(torch.relu(f + g)))
+
+
+class RNNT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.n_classes < 2:
+            raise ConfigError(f"model.n_classes must be at least 2, got {cfg.n_classes}")
+        self.cfg = cfg
+        self.blank_idx = cfg.blank_idx
+        self.encoder = Encoder(cfg)
+        self.prediction = Prediction(cfg)
+        self.joint = Joint(cfg)
+
+    def encode(self, x: torch.Tensor, x_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, B, in_feats), x_lens (B,) -> f (B, T', joint_n_hid), f_lens (B,)."""
+        return self.encoder(x, x_lens)
+
+    def predict(self, y: torch.Tensor) -> torch.Tensor:
+        """y (B, U) -> g (B, U+1, joint_n_hid)."""
+        return self.prediction(y)[0]
+
+    def forward(
+        self, x: torch.Tensor, x_lens: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns the joint inputs f (B, T', H), f_lens (B,) and g (B, U+1, H).
+
+        The joint itself runs inside the loss (`rnnt.loss`), so a fused backend never has to
+        materialise the (B, T', U+1, V) logits.
+        """
+        f, f_lens = self.encode(x, x_lens)
+        return f, f_lens, self.predict(y)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rnnt.config import add_config_args, load_config
+
+    parser = argparse.ArgumentParser(description="Build the model of a config and count it.")
+    add_config_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    model = RNNT(cfg.model)
+    print(model)
+    print(f"parameters: {count_parameters(model)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

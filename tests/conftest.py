@@ -1,0 +1,34 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+# Two CPU cores in CI: one intra-op thread per test process keeps timings predictable.
+torch.set_num_threads(int(os.environ.get("RNNT_TEST_THREADS", "1")))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return ROOT
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """../shared/data beside the checkout (real LibriSpeech utterance lengths)."""
+    path = ROOT.parent / "shared" / "data"
+    if not path.is_dir():
+        pytest.skip("../shared/data is not beside this checkout")
+    return path
