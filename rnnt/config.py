@@ -94,9 +94,7 @@ class DataConfig:
     resampling_device: str = "cpu"  # cpu | gpu
     num_threads: int = 4
     # synthetic backend: utterance lengths sampled from real LibriSpeech length tables
-    synthetic_train_lengths: str = (
-        "../shared/data/librispeech_train-clean-5_lengths.tsv"
-    )
+    synthetic_train_lengths: str = "../shared/data/librispeech_train-clean-5_lengths.tsv"
     synthetic_val_lengths: str = "../shared/data/librispeech_dev-clean_lengths.tsv"
 
 
@@ -190,6 +188,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 errors.append(str(err))
         raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads "1e-3" (no dot) as a string; accept any float literal
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
@@ -214,12 +218,8 @@ def _build(cls: type, raw: dict, where: str) -> Any:
     unknown = sorted(set(raw) - names)
     if unknown:
         key = f"{where}.{unknown[0]}" if where else unknown[0]
-        raise ConfigError(
-            f"unknown key '{key}' (valid keys here: {', '.join(sorted(names))})"
-        )
-    kwargs = {
-        k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in raw.items()
-    }
+        raise ConfigError(f"unknown key '{key}' (valid keys here: {', '.join(sorted(names))})")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in raw.items()}
     return cls(**kwargs)
 
 
@@ -251,9 +251,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(value_text) if value_text.strip() else ""
     except yaml.YAMLError as err:
-        raise ConfigError(
-            f"override '{text}': value is not valid YAML ({err})"
-        ) from None
+        raise ConfigError(f"override '{text}': value is not valid YAML ({err})") from None
     return keys, value
 
 
@@ -299,9 +297,7 @@ def _with_preset(raw: dict, where: str) -> dict:
     return _merge(preset_values(name, where), raw)
 
 
-def load_config(
-    path: str | Path | None = None, overrides: list[str] | None = None
-) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load `path` (YAML), apply `section.key=value` overrides, return a validated Config.
 
     A named GBS preset (`optimizer.preset: gbs1024`) fills the SPEC.md hyperparameters of that
@@ -317,7 +313,10 @@ def load_config(
         try:
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+            mark = getattr(err, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"{where}: not valid YAML: {problem}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     _build_root(raw, source)  # validate the file alone first, so its errors name it

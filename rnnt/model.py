@@ -67,7 +67,9 @@ class StackedLSTM(nn.Module):
                 [nn.LSTM(input_size, hidden_size, num_layers=num_layers, dropout=dropout)]
             )
         for lstm in self.layers:
-            _init_lstm(lstm, cfg.forget_gate_bias, cfg.hidden_hidden_bias_scale, cfg.weights_init_scale)
+            _init_lstm(
+                lstm, cfg.forget_gate_bias, cfg.hidden_hidden_bias_scale, cfg.weights_init_scale
+            )
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(
@@ -163,9 +165,7 @@ class Prediction(nn.Module):
         g, state = self.dec_rnn(emb.transpose(0, 1), state)
         return self.joint_pred(g.transpose(0, 1)), state
 
-    def step(
-        self, label: torch.Tensor, state: LSTMState | None
-    ) -> tuple[torch.Tensor, LSTMState]:
+    def step(self, label: torch.Tensor, state: LSTMState | None) -> tuple[torch.Tensor, LSTMState]:
         """One decoding step: label (B,) (blank = start) -> g (B, joint_n_hid), new state."""
         emb = self.embed_labels(label).unsqueeze(0)  # (1, B, H)
         g, state = self.dec_rnn(emb, state)

@@ -1,0 +1,81 @@
+import subprocess
+import sys
+
+import pytest
+
+from rnnt.config import GBS_PRESETS, ConfigError, load_config
+
+
+def test_baseline_config_matches_spec(repo_root):
+    cfg = load_config(repo_root / "configs/baseline_v3-1023sp.yaml")
+    assert cfg.model.n_classes == 1024 and cfg.model.blank_idx == 1023
+    assert cfg.features.n_mels == 80 and cfg.features.pad_features_to == 256
+    assert cfg.features.spec_augment.max_time == 0.03
+    assert cfg.data.max_duration == 16.7
+    # gbs1536 preset: 8 GPUs x 192
+    assert (cfg.optimizer.lr, cfg.optimizer.ema, cfg.optimizer.warmup_epochs) == (0.0072, 0.995, 5)
+    assert cfg.training.epochs == 80 and cfg.model.weights_init_scale == 0.5
+
+
+def test_dotted_overrides_and_types():
+    cfg = load_config(None, ["model.enc_n_hid=320", "optimizer.lr=1e-3", "eval.mode=cg"])
+    assert cfg.model.enc_n_hid == 320
+    assert cfg.optimizer.lr == pytest.approx(1e-3)
+    assert cfg.eval.mode == "cg"
+    cfg = load_config(None, ["optimizer.lr=2"])  # an int where a float is expected is fine
+    assert isinstance(cfg.optimizer.lr, float)
+
+
+def test_preset_fills_and_explicit_values_win():
+    cfg = load_config(None, ["optimizer.preset=gbs512", "optimizer.beta2=0.5"])
+    lr, b1, _, ema, gamma, warmup, hold, epochs, init = GBS_PRESETS["gbs512"]
+    assert cfg.optimizer.lr == lr and cfg.optimizer.beta1 == b1 and cfg.optimizer.ema == ema
+    assert cfg.optimizer.beta2 == 0.5
+    assert (cfg.optimizer.lr_decay_gamma, cfg.optimizer.warmup_epochs) == (gamma, warmup)
+    assert cfg.optimizer.hold_epochs == hold and cfg.training.epochs == epochs
+    assert cfg.model.weights_init_scale == init
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("model:\n  enc_nhid: 3\n", "unknown key 'model.enc_nhid'"),
+        ("modle:\n  enc_n_hid: 3\n", "unknown key 'modle'"),
+        ("model:\n  enc_n_hid: big\n", "model.enc_n_hid: expected an integer, got 'big'"),
+        ("training:\n  deterministic: 1\n", "training.deterministic: expected true or false"),
+        ("optimizer:\n  preset: gbs999\n", "unknown optimizer preset 'gbs999'"),
+        ("- a\n- b\n", "the top level must be a mapping"),
+        ("model: [\n", "not valid YAML"),
+    ],
+)
+def test_bad_files_name_the_key_and_file(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert message in str(err.value)
+    assert str(path) in str(err.value)
+    assert "\n" not in str(err.value).strip()
+
+
+def test_missing_file_and_bad_override(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="override 'model.enc_n_hid': expected the form"):
+        load_config(None, ["model.enc_n_hid"])
+    with pytest.raises(ConfigError, match="override 'eval.batch_size=x'.*expected an integer"):
+        load_config(None, ["eval.batch_size=x"])
+
+
+def test_cli_reports_one_line_error(tmp_path, repo_root):
+    path = tmp_path / "bad.yaml"
+    path.write_text("training:\n  epochz: 3\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "rnnt.model", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=repo_root,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "unknown key 'training.epochz'" in proc.stderr
