@@ -133,6 +133,7 @@ class TrainingConfig:
     log_frequency: int = 10
     keep_last_checkpoints: int = 2
     save_every_epochs: int = 1
+    checkpoint_every_steps: int = 0  # also save mid-epoch (0 = only at epoch ends)
     max_consecutive_nonfinite: int = 100
     deterministic: bool = False
 
