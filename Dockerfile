@@ -1,0 +1,16 @@
+# Reproduction image for GPU nodes: NGC PyTorch (CUDA, cuDNN, NCCL, apex) + DALI + this code.
+#   docker build -t rnnt-mlperf .
+#   docker run --gpus all --ipc=host -v /data:/datasets -v $PWD/results:/workspace/rnnt/results \
+#       rnnt-mlperf torchrun --nproc_per_node 8 train.py configs/baseline_v3-1023sp.yaml --num_cg 4
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.10-py3
+FROM ${BASE_IMAGE}
+
+ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends espeak-ng sox flac libsndfile1 \
+ && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /workspace/rnnt
+COPY requirements.txt .
+RUN pip install --no-cache-dir -r requirements.txt nvidia-dali-cuda130
+COPY . .
