@@ -3,7 +3,7 @@ import random
 import jiwer
 import pytest
 
-from rnnt.metrics import word_errors, wer
+from rnnt.metrics import wer, word_errors
 
 WORDS = ["a", "b", "c", "the", "cat", "sat"]
 
