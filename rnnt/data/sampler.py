@@ -1,0 +1,215 @@
+"""Training batch sampler (bucketing, rank dealing, exact resume) and evaluation batches.
+
+Training epoch, as in SPEC.md, for N utterances, global batch G, k buckets and W ranks:
+
+1. Buckets: the utterance indices sorted by duration (stable, so ties keep manifest order);
+   bucket b holds sorted positions [b*N//k, (b+1)*N//k). Buckets are fixed for the run.
+2. Each epoch shuffles every bucket and drops each bucket's remainder (size mod G): the tail
+   of its shuffle, so a random subset. Every global batch is therefore cut from ONE bucket
+   (bucket purity) and the epoch is a multiple of G. With k = 1 (the published runs) this is
+   plain random batching that drops N mod G utterances; with k > 1 it drops fewer than k*G.
+3. The global batches of all buckets are shuffled together (batch order).
+4. Global batch j is dealt to the ranks: rank r gets its positions [r*G/W, (r+1)*G/W).
+
+The order is a pure function of (seed, epoch): one numpy PCG64 generator seeded with
+SeedSequence([seed, epoch]) per epoch, no global RNG state. That makes resuming cheap: the
+state is (epoch, batches done) and the plan is recomputed. The position counts global batches,
+so a run may resume on a different number of ranks as long as G is unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+
+def durations_fingerprint(durations: np.ndarray) -> str:
+    """SHA-256 of the float64 durations: detects resuming against a different dataset."""
+    return hashlib.sha256(np.ascontiguousarray(durations, dtype=np.float64).tobytes()).hexdigest()
+
+
+def _as_durations(durations: Sequence[float]) -> np.ndarray:
+    arr = np.asarray(durations, dtype=np.float64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"durations must be a non-empty 1-D sequence, got shape {arr.shape}")
+    bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
+    if bad.size:
+        raise ValueError(
+            f"durations[{bad[0]}] = {arr[bad[0]]!r}: durations must be finite and >= 0"
+        )
+    return arr
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+
+
+class BucketingSampler:
+    """Yields this rank's share (G/W dataset indices) of each global batch of an epoch.
+
+    Usage: `set_epoch(e)` before each epoch, then iterate. `state_dict()` taken between
+    batches and `load_state_dict()` on a fresh sampler continue at the exact next batch.
+    """
+
+    def __init__(
+        self,
+        durations: Sequence[float],
+        global_batch_size: int,
+        num_buckets: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+    ) -> None:
+        self.durations = _as_durations(durations)
+        n = self.durations.size
+        _check_rank(rank, world_size)
+        if global_batch_size < 1 or global_batch_size % world_size:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} must be a positive multiple of "
+                f"world_size {world_size}"
+            )
+        if num_buckets < 1:
+            raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0 (numpy SeedSequence), got {seed}")
+        order = np.argsort(self.durations, kind="stable")
+        self.buckets = [
+            order[b * n // num_buckets : (b + 1) * n // num_buckets] for b in range(num_buckets)
+        ]
+        smallest = min(len(b) for b in self.buckets)
+        if smallest < global_batch_size:
+            raise ValueError(
+                f"{n} utterances in {num_buckets} buckets leave a bucket of {smallest}, fewer "
+                f"than one global batch of {global_batch_size}: use fewer buckets"
+            )
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = global_batch_size // world_size
+        self.num_buckets = num_buckets
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.fingerprint = durations_fingerprint(self.durations)
+        self.num_batches = sum(len(b) // global_batch_size for b in self.buckets)
+        self.epoch = 0
+        self.batches_done = 0
+        # set after load_state_dict: the next set_epoch of the same epoch keeps the position
+        self._restored = False
+        self._plan_epoch: int | None = None
+        self._plan = np.empty((0, global_batch_size), dtype=np.int64)
+
+    def __len__(self) -> int:
+        """Global batches (= this rank's batches) per epoch."""
+        return self.num_batches
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.num_batches * self.global_batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its first batch; right after `load_state_dict` for the same
+        epoch, keep the restored position instead (training loops announce the epoch again)."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if not (self._restored and epoch == self.epoch):
+            self.epoch = epoch
+            self.batches_done = 0
+        self._restored = False
+
+    def global_batches(self, epoch: int) -> np.ndarray:
+        """(num_batches, G) int64: every global batch of `epoch`, in order."""
+        if self._plan_epoch == epoch:
+            return self._plan
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
+        g = self.global_batch_size
+        per_bucket = []
+        for bucket in self.buckets:
+            keep = len(bucket) // g * g
+            per_bucket.append(rng.permutation(bucket)[:keep].reshape(-1, g))
+        plan = np.concatenate(per_bucket)
+        plan = plan[rng.permutation(len(plan))]
+        self._plan_epoch, self._plan = epoch, plan
+        return plan
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """The rest of the current epoch; an exhausted epoch yields nothing until set_epoch."""
+        self._restored = False
+        plan = self.global_batches(self.epoch)
+        lo = self.rank * self.local_batch_size
+        hi = lo + self.local_batch_size
+        while self.batches_done < len(plan):
+            batch = plan[self.batches_done, lo:hi].tolist()
+            # counted when handed out: a state_dict taken after the consumer finished this
+            # batch resumes with the next one
+            self.batches_done += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        """Plain ints and strings only (loads with torch.load(weights_only=True))."""
+        return {
+            "epoch": self.epoch,
+            "batches_done": self.batches_done,
+            "seed": self.seed,
+            "global_batch_size": self.global_batch_size,
+            "num_buckets": self.num_buckets,
+            "num_utterances": int(self.durations.size),
+            "durations_sha256": self.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        expected = self.state_dict()
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise ValueError(f"sampler state lacks keys {missing}")
+        for key in ("num_utterances", "durations_sha256", "global_batch_size", "num_buckets"):
+            if state[key] != expected[key]:
+                raise ValueError(
+                    f"sampler state was saved with {key} = {state[key]!r} but this sampler has "
+                    f"{expected[key]!r}: the training set or batching changed since the checkpoint"
+                )
+        if not 0 <= state["batches_done"] <= self.num_batches:
+            raise ValueError(
+                f"sampler state batches_done = {state['batches_done']} is outside "
+                f"[0, {self.num_batches}]"
+            )
+        if state["epoch"] < 0 or state["seed"] < 0:
+            raise ValueError(f"sampler state has a negative epoch or seed: {state}")
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self.batches_done = int(state["batches_done"])
+        self._plan_epoch = None
+        self._restored = True
+
+
+class SequentialBatches:
+    """Evaluation batches: every utterance exactly once, no shuffling, no dropping.
+
+    Utterances are sorted by duration, longest first (least padding, and the largest batch
+    comes first so an out-of-memory shows at once), then dealt round-robin to the ranks so
+    each rank gets a similar amount of audio; each rank cuts its share into batches of
+    `batch_size`, the last one partial. Ranks may differ by one batch.
+    """
+
+    def __init__(
+        self,
+        durations: Sequence[float],
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        durations = _as_durations(durations)
+        _check_rank(rank, world_size)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        order = np.argsort(-durations, kind="stable")[rank::world_size]
+        self.batches = [
+            order[i : i + batch_size].tolist() for i in range(0, len(order), batch_size)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
