@@ -1,0 +1,252 @@
+"""RNN-T loss: an exact plain-PyTorch reference and the backends behind `loss.backend`.
+
+Shape letters: B batch, T encoder frames, U target tokens (the lattice has U+1 label states),
+H joint hidden size, V classes (blank is the last class).
+
+The loss of one utterance is -log P(y | x), the log-sum over all monotonic alignments of the
+T_b x (U_b+1) lattice (Graves 2012). Each backend is called with the joint *inputs*
+(`f`, `g`) and the `Joint` module, so a fused backend never materialises the (B, T, U+1, V)
+logits. Backends:
+
+    reference   Joint(f, g), then `rnnt_loss_reference` in float32 (float64 stays float64).
+    torchaudio  Joint(f, g), then torchaudio.functional.rnnt_loss (needs torchaudio).
+    fused       Triton joint+loss of `rnnt.kernels` (needs a CUDA device and Triton).
+    apex        apex.contrib.transducer TransducerJoint (packed, ReLU + dropout) + fc +
+                TransducerLoss (packed input); needs apex built with its transducer extension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from rnnt.config import ConfigError
+
+BACKENDS = ("reference", "torchaudio", "fused", "apex")
+
+# Stands in for log(0) on the lattice. It is finite so that logaddexp of two "impossible" terms
+# has finite gradients (with -inf autograd gives NaN); exp(_NEG - x) underflows to exactly 0
+# against any reachable log-probability, so it never changes a value or a gradient.
+_NEG = -1e30
+
+
+def skew(x: torch.Tensor, lens_t: torch.Tensor, lens_u: torch.Tensor) -> torch.Tensor:
+    """Lattice values by anti-diagonal: x (B, T, U1) -> (B, T + U1 - 1, U1), out[b, n, u] =
+    x[b, n - u, u] where 0 <= n - u < lens_t[b] and u < lens_u[b], else _NEG."""
+    b, t, u1 = x.shape
+    n_diag = t + u1 - 1
+    n = torch.arange(n_diag, device=x.device).unsqueeze(1)
+    u = torch.arange(u1, device=x.device).unsqueeze(0)
+    tt = n - u  # (N, U1)
+    inside = (tt >= 0) & (tt < t)
+    out = x[:, tt.clamp(0, t - 1), u.expand_as(tt)]
+    valid = (
+        inside.unsqueeze(0)
+        & (tt.unsqueeze(0) < lens_t.view(b, 1, 1))
+        & (u.unsqueeze(0) < lens_u.view(b, 1, 1))
+    )
+    return torch.where(valid, out, torch.full_like(out, _NEG))
+
+
+def lattice_log_likelihood(
+    lp_blank: torch.Tensor,
+    lp_label: torch.Tensor,
+    logit_lens: torch.Tensor,
+    target_lens: torch.Tensor,
+) -> torch.Tensor:
+    """log P(y | x) from the lattice's transition log-probabilities.
+
+    lp_blank (B, T, U+1): log-prob of blank at (t, u) (moves to (t+1, u));
+    lp_label (B, T, U+1): log-prob of target label u+1 at (t, u) (moves to (t, u+1)); column U
+    is never read. Returns (B,) in the inputs' dtype.
+
+    The forward variable alpha is advanced one anti-diagonal n = t + u at a time, vectorised
+    over the batch and the diagonal: alpha_n[u] = logaddexp(alpha_{n-1}[u] + blank(n-1-u, u),
+    alpha_{n-1}[u-1] + label(n-u, u-1)). Cells outside each utterance's T_b x (U_b+1) lattice
+    hold _NEG, so padding (whatever its values) gets exactly zero gradient.
+    """
+    b, t, u1 = lp_blank.shape
+    logit_lens = logit_lens.to(lp_blank.device)
+    target_lens = target_lens.to(lp_blank.device)
+    blank_d = skew(lp_blank, logit_lens, target_lens + 1)  # (B, N, U+1)
+    label_d = skew(lp_label, logit_lens, target_lens)  # label U_b cannot be emitted
+    n_diag = blank_d.shape[1]
+    u = torch.arange(u1, device=lp_blank.device)
+    neg_col = torch.full((b, 1), _NEG, dtype=lp_blank.dtype, device=lp_blank.device)
+    alpha = torch.where(u == 0, 0.0, _NEG).to(lp_blank.dtype).expand(b, u1)
+    alphas = [alpha]
+    for n in range(1, n_diag):
+        stay = alpha + blank_d[:, n - 1]
+        emit = torch.cat([neg_col, (alpha + label_d[:, n - 1])[:, :-1]], dim=1)
+        alpha = torch.logaddexp(stay, emit)
+        # cells with t = n - u outside [0, T) have no value; keep them at _NEG
+        alpha = torch.where((n - u >= 0) & (n - u < t), alpha, _NEG)
+        alphas.append(alpha)
+    alpha_all = torch.stack(alphas, dim=1)  # (B, N, U+1)
+    rows = torch.arange(b, device=lp_blank.device)
+    last_n = (logit_lens - 1 + target_lens).long()
+    final = alpha_all[rows, last_n, target_lens.long()]
+    last_blank = lp_blank[rows, (logit_lens - 1).long(), target_lens.long()]
+    return final + last_blank
+
+
+def rnnt_loss_reference(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    logit_lens: torch.Tensor,
+    target_lens: torch.Tensor,
+    blank: int,
+) -> torch.Tensor:
+    """Exact RNN-T negative log-likelihood per utterance, gradients via autograd.
+
+    logits (B, T, U+1, V) (any float dtype; computed in float32, or float64 if given float64),
+    targets (B, U) int labels in [0, V) (values past target_lens are ignored),
+    logit_lens (B,) with 1 <= logit_lens <= T, target_lens (B,) with 0 <= target_lens <= U.
+    Returns (B,) in float32 (float64 for float64 logits).
+    """
+    if logits.dim() != 4:
+        raise ValueError(f"logits must be (B, T, U+1, V), got shape {tuple(logits.shape)}")
+    b, t, u1, v = logits.shape
+    if targets.shape != (b, u1 - 1):
+        raise ValueError(
+            f"targets must be (B, U) = ({b}, {u1 - 1}) for logits {tuple(logits.shape)}, "
+            f"got {tuple(targets.shape)}"
+        )
+    if not 0 <= blank < v:
+        raise ValueError(f"blank index {blank} is outside [0, {v})")
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    lp = torch.log_softmax(logits.to(dtype), dim=-1)
+    lp_blank = lp[..., blank]
+    labels = targets.long().clamp(0, v - 1)  # padding may hold anything
+    lp_label = torch.gather(
+        lp[:, :, : u1 - 1, :], 3, labels.view(b, 1, u1 - 1, 1).expand(b, t, -1, 1)
+    )
+    lp_label = torch.nn.functional.pad(lp_label.squeeze(3), (0, 1), value=_NEG)
+    return -lattice_log_likelihood(lp_blank, lp_label, logit_lens, target_lens)
+
+
+# --------------------------------------------------------------------------------------------
+# Backends
+
+
+LossFn = Callable[..., torch.Tensor]
+
+
+def _import_error(backend: str, what: str, err: Exception) -> ConfigError:
+    return ConfigError(
+        f"loss.backend: '{backend}' needs {what}, which cannot be imported here ({err}); "
+        f"choose another of {', '.join(BACKENDS)}"
+    )
+
+
+class TransducerLoss:
+    """Mean over the batch of the per-utterance RNN-T loss, computed from the joint inputs.
+
+    `TransducerLoss(backend, blank_idx)(joint, f (B,T,H), g (B,U+1,H), f_lens (B,),
+    targets (B,U), target_lens (B,)) -> scalar`; `joint` is the model's `rnnt.model.Joint`
+    (its fc weights and dropout are used; the fused backends never build its (B,T,U+1,V) output).
+    """
+
+    def __init__(self, backend: str, blank_idx: int) -> None:
+        if backend not in BACKENDS:
+            raise ConfigError(
+                f"loss.backend: unknown backend '{backend}' (choose one of {', '.join(BACKENDS)})"
+            )
+        self.backend = backend
+        self.blank_idx = blank_idx
+        self._impl: LossFn = getattr(self, f"_{backend}")
+        if backend == "torchaudio":
+            try:
+                import torchaudio.functional as taf
+            except ImportError as err:
+                raise _import_error(backend, "torchaudio", err) from None
+            self._taf = taf
+        elif backend == "fused":
+            try:
+                from rnnt.kernels import fused_joint_loss
+            except ImportError as err:
+                raise _import_error(backend, "Triton (rnnt.kernels)", err) from None
+            self._fused_fn = fused_joint_loss
+        elif backend == "apex":
+            try:
+                from apex.contrib.transducer import TransducerJoint as ApexJoint
+                from apex.contrib.transducer import TransducerLoss as ApexLoss
+            except ImportError as err:
+                raise _import_error(backend, "apex.contrib.transducer", err) from None
+            self._apex_joint_cls = ApexJoint
+            self._apex_loss = ApexLoss(fuse_softmax_backward=True, opt=1, packed_input=True)
+
+    def __call__(
+        self,
+        joint: torch.nn.Module,
+        f: torch.Tensor,
+        g: torch.Tensor,
+        f_lens: torch.Tensor,
+        targets: torch.Tensor,
+        target_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        if f.dim() != 3 or g.dim() != 3 or f.shape[0] != g.shape[0] or f.shape[2] != g.shape[2]:
+            raise ValueError(
+                f"joint inputs must be f (B, T, H) and g (B, U+1, H), got {tuple(f.shape)} "
+                f"and {tuple(g.shape)}"
+            )
+        if targets.shape != (g.shape[0], g.shape[1] - 1):
+            raise ValueError(
+                f"targets must be (B, U) = ({g.shape[0]}, {g.shape[1] - 1}) for g "
+                f"{tuple(g.shape)}, got {tuple(targets.shape)}"
+            )
+        return self._impl(joint, f, g, f_lens, targets, target_lens)
+
+    def _reference(self, joint, f, g, f_lens, targets, target_lens) -> torch.Tensor:
+        logits = joint(f, g)
+        return rnnt_loss_reference(logits, targets, f_lens, target_lens, self.blank_idx).mean()
+
+    def _torchaudio(self, joint, f, g, f_lens, targets, target_lens) -> torch.Tensor:
+        # torchaudio insists that the padded sizes equal the longest lengths (one host sync).
+        t_max = int(f_lens.max())
+        u_max = int(target_lens.max())
+        logits = joint(f[:, :t_max], g[:, : u_max + 1])
+        if logits.dtype not in (torch.float16, torch.float32):
+            logits = logits.float()  # bf16 / fp64 are not supported by torchaudio's kernel
+        nll = self._taf.rnnt_loss(
+            logits,
+            targets[:, :u_max].int(),
+            f_lens.int(),
+            target_lens.int(),
+            blank=self.blank_idx,
+            reduction="none",
+            clamp=-1,
+            fused_log_softmax=True,
+        )
+        return nll.float().mean()
+
+    def _fused(self, joint, f, g, f_lens, targets, target_lens) -> torch.Tensor:
+        dropout = joint.dropout
+        p = dropout.p if isinstance(dropout, torch.nn.Dropout) and joint.training else 0.0
+        nll = self._fused_fn(
+            f, g, joint.fc.weight, joint.fc.bias, f_lens, targets, target_lens,
+            blank=self.blank_idx, dropout_p=p,
+        )  # fmt: skip
+        return nll.mean()
+
+    def _apex(self, joint, f, g, f_lens, targets, target_lens) -> torch.Tensor:
+        dropout = joint.dropout
+        p = dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0
+        f_lens = f_lens.int()
+        g_lens = target_lens.int() + 1
+        batch_offset = torch.cumsum(f_lens * g_lens, dim=0)
+        apex_joint = self._apex_joint_cls(
+            pack_output=True, relu=True, dropout=p > 0, dropout_prob=p, opt=1
+        )
+        apex_joint.train(joint.training)
+        # Packing sizes the output on the host: the one sync of this backend.
+        h = apex_joint(
+            f, g, f_lens, g_lens, batch_offset=batch_offset, packed_batch=int(batch_offset[-1])
+        )  # (sum_b T_b (U_b+1), H)
+        logits = joint.fc(h)
+        nll = self._apex_loss(
+            logits, targets.int(), f_lens, target_lens.int(), self.blank_idx,
+            batch_offset=batch_offset, max_f_len=f.shape[1],
+        )  # fmt: skip
+        return nll.float().mean()
