@@ -1,0 +1,1 @@
+"""Optimizer pieces: LAMB, the MLPerf learning-rate policy and the weight EMA."""
