@@ -29,9 +29,11 @@ def train_tokenizer(texts: Iterable[str], model_prefix: str | Path, vocab_size: 
     model_prefix.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "transcripts.txt"
+        lines = 0
         with corpus.open("w") as fh:
             for line in texts:
                 fh.write(line.strip() + "\n")
+                lines += 1
         try:
             spm.SentencePieceTrainer.train(
                 input=str(corpus),
@@ -46,8 +48,11 @@ def train_tokenizer(texts: Iterable[str], model_prefix: str | Path, vocab_size: 
                 minloglevel=2,
             )
         except RuntimeError as err:
+            # SentencePiece prefixes its reason with a source location and a failed check.
+            reason = str(err).rsplit("] ", 1)[-1]
             raise TokenizerError(
-                f"training a {vocab_size}-piece tokenizer at {model_prefix}: {err}"
+                f"cannot train a {vocab_size}-piece tokenizer at {model_prefix} on "
+                f"{lines} transcripts: {reason}"
             ) from None
     return model_prefix.with_suffix(".model")
 

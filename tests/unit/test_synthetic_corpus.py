@@ -1,0 +1,213 @@
+"""Synthetic espeak-ng corpora: layout, transcripts, audio format, determinism, resumption.
+
+Corpora here are a handful of utterances built in tmp_path with the real espeak-ng.
+"""
+
+import dataclasses
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import librosa
+import numpy as np
+import pytest
+import soundfile as sf
+
+from rnnt.data import synthetic_corpus as sc
+from rnnt.data.text import ALPHABET
+
+pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="needs espeak-ng")
+
+FLAC_NAME = re.compile(r"^(\d+)-(\d+)-(\d{4})\.flac$")
+
+
+def corpus_files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != sc.STAMP_NAME
+    }
+
+
+def read_transcripts(split_dir: Path) -> dict[str, str]:
+    out = {}
+    for trans in split_dir.rglob("*.trans.txt"):
+        for line in trans.read_text().splitlines():
+            utt_id, text = line.split(" ", 1)
+            out[utt_id] = text
+    return out
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("digits")
+    sc.build_corpus(root, "digits", train=6, dev=4, seed=7, workers=2, progress=False)
+    return root
+
+
+def test_layout_is_librispeech(digits):
+    assert sorted(p.name for p in digits.iterdir()) == ["dev", sc.STAMP_NAME, "train"]
+    for split, size in (("train", 6), ("dev", 4)):
+        flacs = sorted((digits / split).rglob("*.flac"))
+        assert len(flacs) == size
+        for flac in flacs:
+            speaker, chapter = flac.parts[-3], flac.parts[-2]
+            match = FLAC_NAME.match(flac.name)
+            assert match and match.group(1, 2) == (speaker, chapter), flac
+            assert flac.parent.parent.parent == digits / split
+        chapters = {f.parent for f in flacs}
+        for chapter_dir in chapters:
+            trans = chapter_dir / f"{chapter_dir.parent.name}-{chapter_dir.name}.trans.txt"
+            ids = [line.split(" ", 1)[0] for line in trans.read_text().splitlines()]
+            assert ids == sorted(f.stem for f in chapter_dir.glob("*.flac"))
+    train_ids = set(read_transcripts(digits / "train"))
+    assert not train_ids & set(read_transcripts(digits / "dev"))
+    stamp = json.loads((digits / sc.STAMP_NAME).read_text())
+    assert stamp["complete"] and stamp["parameters"]["sizes"] == {"train": 6, "dev": 4}
+
+
+def test_transcripts_are_the_spoken_text(digits):
+    for split, size in (("train", 6), ("dev", 4)):
+        plans = sc.plan_split("digits", split, size, seed=7)
+        written = read_transcripts(digits / split)
+        assert written == {p.utt_id: p.text.upper() for p in plans}
+        for plan in plans:
+            words = plan.text.split()
+            assert 1 <= len(words) <= 7 and set(words) <= set(sc.DIGIT_WORDS)
+            # Speech length tracks the number of words said: about 0.4 s a digit.
+            info = sf.info(str(digits / plan.relative_audio))
+            speech = info.frames / info.samplerate - plan.lead_silence - plan.trail_silence
+            assert 0.2 < speech / len(words) < 0.9, (plan.utt_id, speech, words)
+
+
+def test_audio_is_16khz_mono_pcm16_flac_with_jittered_silence(digits):
+    for flac in digits.rglob("*.flac"):
+        info = sf.info(str(flac))
+        assert (info.samplerate, info.channels, info.format, info.subtype) == (
+            16000,
+            1,
+            "FLAC",
+            "PCM_16",
+        )
+    plan = sc.plan_split("digits", "dev", 4, seed=7)[0]
+    audio, _ = sf.read(str(digits / plan.relative_audio), dtype="float32")
+    lead = audio[: int(plan.lead_silence * 16000) - 160]
+    speech_rms = np.sqrt(np.mean(audio**2))
+    noise_rms = np.sqrt(np.mean(lead**2))
+    assert 0 < noise_rms < speech_rms / 10 ** (25 / 20)  # noise present, well below the speech
+    assert np.abs(audio).max() == pytest.approx(plan.peak, abs=0.05)
+
+
+def test_same_seed_same_bytes_regardless_of_workers(digits, tmp_path):
+    sc.build_corpus(tmp_path / "a", "digits", train=6, dev=4, seed=7, workers=1, progress=False)
+    assert corpus_files(tmp_path / "a") == corpus_files(digits)
+    sc.build_corpus(tmp_path / "b", "digits", train=6, dev=4, seed=8, workers=1, progress=False)
+    assert read_transcripts(tmp_path / "b" / "train") != read_transcripts(digits / "train")
+
+
+def test_rerun_skips_resumes_and_refuses_other_parameters(tmp_path):
+    root = tmp_path / "c"
+    first = sc.build_corpus(root, "digits", train=3, dev=2, seed=1, workers=1, progress=False)
+    assert not first.skipped and set(first.audio_seconds) == {"train", "dev"}
+    before = corpus_files(root)
+    again = sc.build_corpus(root, "digits", train=3, dev=2, seed=1, workers=1, progress=False)
+    assert again.skipped and again.audio_seconds == first.audio_seconds
+
+    # An interrupted run (stamp not complete, a file missing) is finished, not restarted.
+    stamp = json.loads((root / sc.STAMP_NAME).read_text())
+    (root / sc.STAMP_NAME).write_text(json.dumps({**stamp, "complete": False}))
+    victim = next(root.rglob("*.flac"))
+    victim.unlink()
+    resumed = sc.build_corpus(root, "digits", train=3, dev=2, seed=1, workers=1, progress=False)
+    assert not resumed.skipped and corpus_files(root) == before
+    assert resumed.audio_seconds == first.audio_seconds
+
+    with pytest.raises(sc.CorpusError, match=r"synthetic_corpus\.json.*--force"):
+        sc.build_corpus(root, "digits", train=4, dev=2, seed=1, workers=1, progress=False)
+    rebuilt = sc.build_corpus(
+        root, "digits", train=4, dev=2, seed=1, workers=1, force=True, progress=False
+    )
+    assert not rebuilt.skipped and len(list((root / "train").rglob("*.flac"))) == 4
+
+
+def test_existing_splits_without_stamp_are_not_overwritten(tmp_path):
+    (tmp_path / "train" / "1" / "2").mkdir(parents=True)
+    (tmp_path / "train" / "1" / "2" / "1-2.trans.txt").write_text("1-2-0000 HELLO\n")
+    with pytest.raises(sc.CorpusError, match="train already exist"):
+        sc.build_corpus(tmp_path, "digits", train=1, dev=1, workers=1, progress=False)
+
+
+def test_voices_differ_female_variants_are_higher():
+    """Each speaker is a distinct voice: same words, same settings, other variant -> other
+    audio; the f-variants' fundamental frequency (librosa's YIN) is well above the m-variants'."""
+    assert len({s.voice for s in sc.speakers(1)}) == len(sc.VOICES) * len(sc.VARIANTS)
+    base = sc.plan_split("digits", "train", 1, seed=1)[0]
+
+    def median_f0(voice: str) -> float:
+        speaker = dataclasses.replace(base.speaker, voice=voice)
+        plan = dataclasses.replace(base, speaker=speaker, text="one two three", pitch=50, speed=160)
+        audio = sc.render(plan)
+        f0 = librosa.yin(audio, fmin=60, fmax=400, sr=16000)
+        loud = librosa.feature.rms(y=audio)[0] > 0.05
+        n = min(len(f0), len(loud))
+        return float(np.median(f0[:n][loud[:n]]))
+
+    for voice in ("en-us", "en-gb-x-rp"):
+        assert median_f0(f"{voice}+f2") > 1.4 * median_f0(f"{voice}+m2")
+
+
+def test_sentences_corpus_and_vocabulary(tmp_path):
+    gen = sc.SentenceGenerator()
+    vocab = gen.vocabulary()
+    assert len(vocab) >= 2500  # a few thousand distinct words
+    rng = np.random.default_rng(0)
+    sentences = [gen.sentence(rng) for _ in range(6000)]
+    used = {w for s in sentences for w in s.split()}
+    assert used <= vocab and len(used) >= 0.9 * len(vocab)
+    assert all(4 <= len(s.split()) <= 15 for s in sentences)
+    assert set("".join(sentences)) <= ALPHABET
+    again = np.random.default_rng(0)
+    assert [gen.sentence(again) for _ in range(50)] == sentences[:50]
+
+    sc.build_corpus(tmp_path, "sentences", train=2, dev=1, seed=3, workers=1, progress=False)
+    written = read_transcripts(tmp_path / "dev")
+    (plan,) = sc.plan_split("sentences", "dev", 1, seed=3)
+    assert written == {plan.utt_id: plan.text.upper()}
+
+
+@pytest.mark.parametrize(
+    "noun, plural",
+    [("box", "boxes"), ("baby", "babies"), ("key", "keys"), ("wolf", "wolves"), ("bus", "buses")],
+)
+def test_plural(noun, plural):
+    assert sc.plural(noun) == plural
+
+
+@pytest.mark.parametrize(
+    "verb, third",
+    [("carry", "carries"), ("play", "plays"), ("watch", "watches"), ("tiptoe", "tiptoes")],
+)
+def test_third_person(verb, third):
+    assert sc.third_person(verb) == third
+
+
+def test_articles():
+    assert [sc.indefinite_article(w) for w in ("apple", "uniform", "hour", "dog")] == [
+        "an",
+        "a",
+        "an",
+        "a",
+    ]
+
+
+def test_cli_reports_summary_and_errors(tmp_path, repo_root):
+    script = repo_root / "scripts" / "make_synthetic_corpus.py"
+    cmd = [sys.executable, str(script), "digits", str(tmp_path), "--train", "1", "--dev", "1"]
+    done = subprocess.run(cmd + ["--workers", "1", "--no-progress"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["utterances"] == {"train": 1, "dev": 1}
+    other = subprocess.run(cmd[:-1] + ["2"], capture_output=True, text=True)
+    assert other.returncode == 1 and "--force" in other.stderr
