@@ -1,0 +1,359 @@
+"""Per-bucket CUDA graphs of the encoder and the prediction network for training (`--num_cg N`).
+
+The encoder (+ joint_enc) and the prediction network (+ joint_pred) are each captured forward
+and backward with `torch.cuda.make_graphed_callables` at the training batch size and at N
+maximum lengths L, L - L//N, L - 2*(L//N), ... . A batch is padded up to the smallest bucket that
+holds it (an O(1) list lookup on the padded length, a host-side shape: no device read), the
+graph is replayed, and the outputs are sliced back to the batch's own lengths. The joint, the
+loss, the scaler, the optimizer and the EMA stay eager.
+
+Why padding is exact: every RNN here is unidirectional, so frames appended at the end never
+change earlier outputs; `StackTime` pairs frame 2t with 2t+1, and the eager model zero-pads an
+odd tail, which is why the padding written here is zeros. Padded positions get zero output
+gradient, so they add nothing to the weight gradients (and the zeros keep 0 * garbage from
+turning into NaN).
+
+Decisions (documented contract):
+* Batches longer than the largest bucket raise `SequenceTooLongError`: the buckets are sized
+  from `data.max_duration` and the speed-perturbation minimum, so a longer batch means the data
+  does not match the config, and a silent eager fallback would hide it (and a memory cliff).
+* Batches with fewer rows than the captured batch size are padded with empty rows. The training
+  sampler drops remainders, so in training every batch is full; the padding only keeps odd
+  callers (tests, a short final micro-batch) correct.
+* Lengths are graph inputs (`x_lens` is copied into a static buffer), never baked in.
+* Outputs alias the graphs' static buffers: they are valid until the same bucket is replayed
+  again, which in a training step happens only after their backward has run.
+* With the model in eval mode or with autograd disabled the eager modules run: the graphs hold
+  the training-mode forward (dropout on) and a backward.
+
+Memory: the encoder buckets share one graph memory pool and the prediction buckets another.
+Buckets of one network never run interleaved (one encoder bucket per step, forward then
+backward), so they may reuse each other's scratch and saved activations; the two networks' saved
+activations are alive at the same time (both forwards run before either backward), so they must
+not share a pool. Buckets are captured largest first so the smaller ones fit in its memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from rnnt.config import Config, ConfigError, FeaturesConfig
+from rnnt.model import RNNT
+
+
+class SequenceTooLongError(ValueError):
+    """A batch is longer than the largest captured graph."""
+
+
+def bucket_lengths(max_len: int, num_cg: int) -> list[int]:
+    """The N capture lengths L, L - L//N, L - 2*(L//N), ... (descending, distinct, >= 1)."""
+    if max_len < 1:
+        raise ValueError(f"maximum length must be at least 1, got {max_len}")
+    if num_cg < 1:
+        raise ValueError(f"num_cg must be at least 1 for graphs, got {num_cg}")
+    step = max_len // num_cg
+    lengths = [max_len - i * step for i in range(num_cg)]
+    return sorted({n for n in lengths if n >= 1}, reverse=True)
+
+
+class BucketTable:
+    """O(1) map from a padded length to the smallest bucket length that holds it."""
+
+    def __init__(self, lengths: Sequence[int], what: str) -> None:
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"{what}: bucket lengths must be positive, got {list(lengths)}")
+        self.what = what
+        self.lengths = sorted(set(lengths))
+        self.max_len = self.lengths[-1]
+        # _index[n] = position in self.lengths of the smallest bucket >= n
+        self._index: list[int] = []
+        for pos, length in enumerate(self.lengths):
+            self._index += [pos] * (length + 1 - len(self._index))
+
+    def __call__(self, length: int) -> int:
+        """Position (in ascending `lengths`) of the bucket for a batch padded to `length`."""
+        if length < 1:
+            raise ValueError(f"{self.what}: a batch of length {length} is empty")
+        if length > self.max_len:
+            raise SequenceTooLongError(
+                f"{self.what}: a batch of length {length} is longer than the largest CUDA graph "
+                f"({self.max_len}); the graphs are sized from data.max_duration, the minimum speed "
+                "perturbation and the longest training transcript, so this batch does not match "
+                "the config (drop such utterances, or run with training.num_cg=0)"
+            )
+        return self._index[length]
+
+
+def max_spliced_frames(max_duration: float, features: FeaturesConfig) -> int:
+    """Spliced frames of the longest training utterance after the slowest speed perturbation.
+
+    A rate r < 1 resamples audio to 1/r of its length (0.85 makes 16.7 s last 19.65 s). One hop of
+    extra samples covers the resampler's rounding and durations rounded in the manifest; a
+    centered STFT gives samples // hop + 1 frames; splicing keeps ceil(frames / subsample).
+    """
+    if max_duration <= 0:
+        raise ConfigError(f"data.max_duration must be positive, got {max_duration}")
+    speed_min = features.speed_perturbation_min
+    if speed_min <= 0:
+        raise ConfigError(f"features.speed_perturbation_min must be positive, got {speed_min}")
+    hop = round(features.window_stride * features.sample_rate)
+    samples = math.ceil(max_duration * features.sample_rate / min(speed_min, 1.0)) + hop
+    frames = samples // hop + 1
+    return math.ceil(frames / features.frame_subsample)
+
+
+def longest_transcript(utts: Sequence, tokenizer=None) -> int:
+    """Tokens in the longest transcript of `utts` (manifest tokens, else `tokenizer.encode`)."""
+    longest = 0
+    for utt in utts:
+        tokens = utt.tokens
+        if tokens is None:
+            if tokenizer is None:
+                raise ConfigError(
+                    f"utterance {utt.utt_id} has no tokens in its manifest and no data.tokenizer "
+                    "is set: cannot size the prediction-network CUDA graphs"
+                )
+            tokens = tokenizer.encode(utt.transcript, utt.utt_id)
+        longest = max(longest, len(tokens))
+    if longest < 1:
+        raise ConfigError("no training transcript has any token: cannot size the CUDA graphs")
+    return longest
+
+
+def pad_into(static: torch.Tensor, x: torch.Tensor, fill: float | int) -> None:
+    """Copy `x` into the leading corner of `static` and set the rest of `static` to `fill`.
+
+    `static` and `x` have the same rank; every dimension of `x` is at most that of `static`.
+    """
+    if x.dim() != static.dim() or any(a > b for a, b in zip(x.shape, static.shape)):
+        raise ValueError(f"cannot pad a {tuple(x.shape)} tensor into {tuple(static.shape)}")
+    static[tuple(slice(0, n) for n in x.shape)].copy_(x)
+    # fill the complement as a union of slabs: along dim d, rows >= x.shape[d] with every
+    # earlier dim restricted to x's extent (each padded element is written exactly once)
+    for d, n in enumerate(x.shape):
+        if n < static.shape[d]:
+            index = tuple(slice(0, x.shape[i]) for i in range(d)) + (slice(n, None),)
+            static[index].fill_(fill)
+
+
+class _EncodeSegment(nn.Module):
+    """The graphed unit of the encoder: x (L, B, F), lens (B,), keep (L, 1, 1) ->
+    f (B, ceil(L / stack), H), f_lens (B,).
+
+    `keep` is 1 for the batch's own T frames and 0 for the bucket padding. It zeroes the
+    pre-RNN output past T, which is what the eager model's stack-time sees when T is odd (it
+    pads the pre-RNN output with a zero frame); without it the last encoder frame of a batch
+    with odd T would pair frame T-1 with the LSTM's output for a padding frame instead.
+    Mirrors `Encoder.forward` otherwise (the CPU tests compare the two). A fresh wrapper per
+    bucket, because make_graphed_callables replaces the `forward` of the module it is given.
+    """
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(
+        self, x: torch.Tensor, lens: torch.Tensor, keep: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = self.encoder
+        h, _ = enc.pre_rnn(x)
+        h, lens = enc.stack_time(h * keep, lens)
+        h, _ = enc.post_rnn(h)
+        return enc.joint_enc(h.transpose(0, 1)), lens
+
+
+class _PredictSegment(nn.Module):
+    """The graphed unit of the prediction network: y (B, U) -> g (B, U+1, H) (no LSTM state)."""
+
+    def __init__(self, prediction: nn.Module) -> None:
+        super().__init__()
+        self.prediction = prediction
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return self.prediction(y)[0]
+
+
+class EncoderBucket:
+    """One encoder length bucket: static inputs x (L, B_cap, F), lens (B_cap,), keep (L, 1, 1),
+    and `fn`, the callable run on them: the graphed `_EncodeSegment` (or the plain segment)."""
+
+    def __init__(
+        self,
+        length: int,
+        batch_size: int,
+        in_feats: int,
+        stack_factor: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.static_x = torch.zeros(length, batch_size, in_feats, dtype=dtype, device=device)
+        self.static_lens = torch.full((batch_size,), length, dtype=torch.int64, device=device)
+        self.static_keep = torch.ones(length, 1, 1, dtype=dtype, device=device)
+        self.stack_factor = stack_factor
+        self.fn = None
+
+    @property
+    def static_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.static_x, self.static_lens, self.static_keep
+
+    def __call__(self, x: torch.Tensor, x_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, B, F), x_lens (B,) -> f (B, ceil(T / stack), H), f_lens (B,)."""
+        if x.shape[2] != self.static_x.shape[2]:
+            raise ValueError(
+                f"{x.shape[2]} features per frame; the graphs take {self.static_x.shape[2]}"
+            )
+        t, b = x.shape[0], x.shape[1]
+        pad_into(self.static_x, x, 0)
+        pad_into(self.static_lens, x_lens, 0)
+        self.static_keep[:t].fill_(1)
+        self.static_keep[t:].fill_(0)
+        f, f_lens = self.fn(*self.static_inputs)
+        return f[:b, : -(-t // self.stack_factor)], f_lens[:b]
+
+
+class PredictionBucket:
+    """One prediction-network length bucket: a static label buffer (B_cap, U_L) and `fn`, the
+    callable run on it: the graphed `_PredictSegment` (or the plain segment)."""
+
+    def __init__(
+        self, length: int, batch_size: int, blank_idx: int, device: torch.device | str
+    ) -> None:
+        self.static_y = torch.full(
+            (batch_size, length), blank_idx, dtype=torch.int64, device=device
+        )
+        self.blank_idx = blank_idx
+        self.fn = None
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        """y (B, U) -> g (B, U+1, H)."""
+        b, u = y.shape
+        pad_into(self.static_y, y, self.blank_idx)  # blank embeds to zeros
+        return self.fn(self.static_y)[:b, : u + 1]
+
+
+class TrainingGraphs:
+    """Bucketed CUDA graphs standing in for `RNNT.encode` and `RNNT.predict` during training.
+
+    `encode(x (T, B, F), x_lens (B,)) -> f (B, T', H), f_lens (B,)` and
+    `predict(y (B, U)) -> g (B, U+1, H)` return what the eager model returns, differentiably.
+    The model must not be moved, re-cast or have its parameters replaced after capture (the
+    optimizer must update parameters in place, as `rnnt.optim.lamb.Lamb` does).
+    """
+
+    def __init__(
+        self,
+        model: RNNT,
+        batch_size: int,
+        max_feat_len: int,
+        max_token_len: int,
+        num_cg: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise ConfigError("training.num_cg > 0 needs a CUDA device (use num_cg 0 on CPU)")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if not model.training:
+            raise ValueError("capture the training graphs with the model in training mode")
+        self.model = model
+        self.batch_size = batch_size
+        self.feat_table = BucketTable(bucket_lengths(max_feat_len, num_cg), "encoder")
+        self.token_table = BucketTable(bucket_lengths(max_token_len, num_cg), "prediction")
+        stack_factor = model.encoder.stack_time.factor
+        blank = model.blank_idx
+
+        enc_pool = torch.cuda.graph_pool_handle()
+        pred_pool = torch.cuda.graph_pool_handle()
+        self._enc: list[EncoderBucket] = []  # ascending, like the tables' lengths
+        self._pred: list[PredictionBucket] = []
+        in_feats = model.cfg.in_feats
+        for length in reversed(self.feat_table.lengths):
+            enc = EncoderBucket(length, batch_size, in_feats, stack_factor, dtype, device)
+            enc.fn = torch.cuda.make_graphed_callables(
+                _EncodeSegment(model.encoder), enc.static_inputs, pool=enc_pool
+            )
+            self._enc.insert(0, enc)
+        for length in reversed(self.token_table.lengths):
+            pred = PredictionBucket(length, batch_size, blank, device)
+            pred.fn = torch.cuda.make_graphed_callables(
+                _PredictSegment(model.prediction), (pred.static_y,), pool=pred_pool
+            )
+            self._pred.insert(0, pred)
+        self._own_first_grads()
+
+    @classmethod
+    def for_config(cls, model: RNNT, cfg: Config, train_utts: Sequence, tokenizer=None):
+        """Graphs sized for a training run: the configured batch size, the longest utterance
+        (capped by data.max_duration) at the slowest speed, the longest training transcript."""
+        if not train_utts:
+            raise ConfigError("no training utterances: cannot size the CUDA graphs")
+        longest = min(cfg.data.max_duration, max(u.duration for u in train_utts))
+        param = next(model.parameters())
+        return cls(
+            model,
+            batch_size=cfg.training.batch_size,
+            max_feat_len=max_spliced_frames(longest, cfg.features),
+            max_token_len=longest_transcript(train_utts, tokenizer),
+            num_cg=cfg.training.num_cg,
+            dtype=param.dtype,
+            device=param.device,
+        )
+
+    @property
+    def feat_buckets(self) -> list[int]:
+        return list(self.feat_table.lengths)
+
+    @property
+    def token_buckets(self) -> list[int]:
+        return list(self.token_table.lengths)
+
+    def _graphs_apply(self) -> bool:
+        return self.model.training and torch.is_grad_enabled()
+
+    def _check_rows(self, rows: int) -> None:
+        if rows > self.batch_size:
+            raise ValueError(
+                f"a batch of {rows} utterances is larger than the {self.batch_size} the CUDA "
+                "graphs were captured for (training.batch_size)"
+            )
+
+    def encode(self, x: torch.Tensor, x_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, B, in_feats), x_lens (B,) -> f (B, T', H), f_lens (B,), T' = ceil(T / stack)."""
+        if not self._graphs_apply():
+            return self.model.encode(x, x_lens)
+        self._check_rows(x.shape[1])
+        return self._enc[self.feat_table(x.shape[0])](x, x_lens)
+
+    def predict(self, y: torch.Tensor) -> torch.Tensor:
+        """y (B, U) -> g (B, U+1, H)."""
+        if not self._graphs_apply():
+            return self.model.predict(y)
+        self._check_rows(y.shape[0])
+        return self._pred[self.token_table(y.shape[1])](y)
+
+    def _own_first_grads(self) -> None:
+        """Make `.grad` of the graphed parameters independent of the graphs' static buffers.
+
+        A graphed backward returns views of static gradient buffers, and autograd adopts such a
+        tensor as `.grad` when `.grad` is None. The next replay of that bucket would then write
+        into `.grad` and accumulate it onto itself (gradient accumulation over micro-batches,
+        or `zero_grad(set_to_none=False)`). Cloning the first gradient of each step breaks the
+        alias; later gradients are added in place. Registered after capture, so the captured
+        backward graphs do not contain the copies.
+        """
+        graphed = list(self.model.encoder.parameters()) + list(self.model.prediction.parameters())
+        for param in graphed:
+            param.register_hook(_first_grad_owner(param))
+
+
+def _first_grad_owner(param: torch.Tensor):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return grad.clone() if param.grad is None else grad
+
+    return hook
