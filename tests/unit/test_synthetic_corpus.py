@@ -44,13 +44,13 @@ def read_transcripts(split_dir: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("digits")
-    sc.build_corpus(root, "digits", train=6, dev=4, seed=7, workers=2, progress=False)
+    sc.build_corpus(root, "digits", train=10, dev=4, seed=7, workers=2, progress=False)
     return root
 
 
 def test_layout_is_librispeech(digits):
     assert sorted(p.name for p in digits.iterdir()) == ["dev", sc.STAMP_NAME, "train"]
-    for split, size in (("train", 6), ("dev", 4)):
+    for split, size in (("train", 10), ("dev", 4)):
         flacs = sorted((digits / split).rglob("*.flac"))
         assert len(flacs) == size
         for flac in flacs:
@@ -66,11 +66,11 @@ def test_layout_is_librispeech(digits):
     train_ids = set(read_transcripts(digits / "train"))
     assert not train_ids & set(read_transcripts(digits / "dev"))
     stamp = json.loads((digits / sc.STAMP_NAME).read_text())
-    assert stamp["complete"] and stamp["parameters"]["sizes"] == {"train": 6, "dev": 4}
+    assert stamp["complete"] and stamp["parameters"]["sizes"] == {"train": 10, "dev": 4}
 
 
 def test_transcripts_are_the_spoken_text(digits):
-    for split, size in (("train", 6), ("dev", 4)):
+    for split, size in (("train", 10), ("dev", 4)):
         plans = sc.plan_split("digits", split, size, seed=7)
         written = read_transcripts(digits / split)
         assert written == {p.utt_id: p.text.upper() for p in plans}
@@ -102,7 +102,7 @@ def test_audio_is_16khz_mono_pcm16_flac_with_jittered_silence(digits):
 
 
 def test_same_seed_same_bytes_regardless_of_workers(digits, tmp_path):
-    sc.build_corpus(tmp_path / "a", "digits", train=6, dev=4, seed=7, workers=1, progress=False)
+    sc.build_corpus(tmp_path / "a", "digits", train=10, dev=4, seed=7, workers=1, progress=False)
     assert corpus_files(tmp_path / "a") == corpus_files(digits)
     sc.build_corpus(tmp_path / "b", "digits", train=6, dev=4, seed=8, workers=1, progress=False)
     assert read_transcripts(tmp_path / "b" / "train") != read_transcripts(digits / "train")
@@ -211,3 +211,35 @@ def test_cli_reports_summary_and_errors(tmp_path, repo_root):
     assert json.loads(done.stdout)["utterances"] == {"train": 1, "dev": 1}
     other = subprocess.run(cmd[:-1] + ["2"], capture_output=True, text=True)
     assert other.returncode == 1 and "--force" in other.stderr
+
+
+def test_round_trip_through_manifest_and_tokenizer(digits, tmp_path, repo_root):
+    """corpus -> manifest builder -> train_tokenizer.py on the train manifest -> ids -> text."""
+    from rnnt.data.manifest import build_manifest, read_manifest, write_manifest
+    from rnnt.data.tokenizer import Tokenizer
+
+    # Ten train utterances say every digit, so no dev transcript can need <unk>.
+    train, report = build_manifest(digits, ["train"], strict=True)
+    assert report.problems == [] and len(train) == 10
+    write_manifest(tmp_path / "train.jsonl", train)
+    script = repo_root / "scripts" / "train_tokenizer.py"
+    prefix = tmp_path / "digits18"
+    cmd = [sys.executable, str(script), "--manifests", str(tmp_path / "train.jsonl")]
+    done = subprocess.run(
+        cmd + ["--vocab-size", "18", "--output-prefix", str(prefix)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    tokenizer = Tokenizer(f"{prefix}.model")
+
+    dev, _ = build_manifest(digits, ["dev"], tokenizer=tokenizer, strict=True)
+    write_manifest(tmp_path / "dev.jsonl", dev)
+    back = read_manifest(tmp_path / "dev.jsonl", digits)
+    spoken = {p.utt_id: p for p in sc.plan_split("digits", "dev", 4, seed=7)}
+    assert sorted(u.utt_id for u in back) == sorted(spoken)
+    for utt in back:
+        plan = spoken[utt.utt_id]
+        assert tokenizer.decode(utt.tokens) == utt.transcript == plan.text
+        assert Path(utt.audio) == digits / plan.relative_audio
+        assert utt.duration == pytest.approx(sf.info(utt.audio).duration, abs=1e-3)
+    stamp = json.loads((digits / sc.STAMP_NAME).read_text())
+    assert sum(u.duration for u in back) == pytest.approx(stamp["audio_seconds"]["dev"], abs=0.01)
