@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -246,3 +247,27 @@ def test_cli_builds_then_tokenizes(tmp_path, repo_root, capsys):
         u.transcript for u in read_manifest(out, tmp_path / "LS")
     ]
     assert json.loads(tokenized.read_text().splitlines()[0])["audio"].startswith("train-clean-100/")
+
+
+def test_preprocess_chain_builds_then_skips_finished_stages(tmp_path, repo_root):
+    root = tmp_path / "LibriSpeech"
+    _corpus(root, "train-clean-100")
+    _corpus(root, "dev-clean", texts=["A LAZY DOG", "QUICK BROWN ZEBRAS"])
+    (root / "dev-clean/103/1240/103-1240-0000.flac").unlink()  # one bad eval utterance
+    cmd = ["bash", str(repo_root / "scripts/preprocess_librispeech.sh"), str(root)]
+    cmd += ["--workers", "1", "--vocab-size", "40"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    tok = Tokenizer(tmp_path / "sentencepieces" / "librispeech40.model")
+    train = read_manifest(root / "librispeech-train-clean-100-wav.jsonl", root)
+    dev = read_manifest(root / "librispeech-dev-clean-wav.jsonl", root)
+    assert len(train) == 6 and [u.utt_id for u in dev] == ["1034-121119-0001"]
+    for u in train + dev:
+        assert u.audio.endswith(".wav") and Path(u.audio).is_file()
+        assert tok.decode(u.tokens) == u.transcript
+    report = (root / "librispeech-dev-clean-wav-untokenized.jsonl.report.txt").read_text()
+    assert "dev-clean/103/1240/103-1240.trans.txt:1: utterance 103-1240-0000: no audio" in report
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("skipped") == 5  # 2 manifests, the tokenizer, 2 token stages
