@@ -488,10 +488,10 @@ def build_corpus(
                 f"{root}: {', '.join(occupied)} already exist without {STAMP_NAME}; "
                 "use another directory or --force to replace them"
             )
+    # Planning checks the arguments, so it comes before anything is written.
+    plans = [p for split, size in sizes.items() for p in plan_split(kind, split, size, seed)]
     root.mkdir(parents=True, exist_ok=True)
     stamp_path.write_text(json.dumps({"parameters": params, "complete": False}, indent=2) + "\n")
-
-    plans = [p for split, size in sizes.items() for p in plan_split(kind, split, size, seed)]
     samples = {}
     todo = []
     for plan in plans:

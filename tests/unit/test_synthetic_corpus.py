@@ -140,6 +140,14 @@ def test_existing_splits_without_stamp_are_not_overwritten(tmp_path):
         sc.build_corpus(tmp_path, "digits", train=1, dev=1, workers=1, progress=False)
 
 
+def test_bad_arguments_fail_before_writing(tmp_path):
+    with pytest.raises(sc.CorpusError, match="unknown corpus kind 'vowels'"):
+        sc.build_corpus(tmp_path / "v", "vowels", train=1, dev=1, workers=1, progress=False)
+    with pytest.raises(sc.CorpusError, match="split dev: size must be >= 0"):
+        sc.build_corpus(tmp_path / "v", "digits", train=1, dev=-1, workers=1, progress=False)
+    assert not (tmp_path / "v").exists()
+
+
 def test_voices_differ_female_variants_are_higher():
     """Each speaker is a distinct voice: same words, same settings, other variant -> other
     audio; the f-variants' fundamental frequency (librosa's YIN) is well above the m-variants'."""
