@@ -1,0 +1,236 @@
+"""DALI input pipeline: the front end of `rnnt.data.features` built from DALI operators.
+
+The batch composition comes from Python: an `external_source` is fed, per iteration, the
+encoded bytes of the files the sampler chose (read here, so a missing file is named before
+DALI sees it) and their speed factors. Everything else runs inside DALI: decode (mono, and
+resampled to sample_rate / speed in the decoder, or later by `audio_resample` on the GPU when
+data.resampling_device is gpu), `nonsilent_region` + `slice`, dither, pre-emphasis,
+spectrogram, mel filter bank, log, per-bin normalization and padding. The operator settings
+realize exactly the definitions in the docstring of `rnnt.data.features`.
+
+Randomness: speeds come from numpy seeded by (seed, rank, epoch, batch position), so a resumed
+run perturbs its batches as the original did; dither comes from DALI's generator, seeded per
+rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from rnnt.config import FeaturesConfig
+from rnnt.data.batch import FeatureBatch
+from rnnt.data.features import (
+    NORM_EPSILON,
+    TRIM_WINDOW,
+    AudioFileError,
+    hann_window,
+    window_samples,
+)
+
+try:
+    from nvidia.dali import fn, pipeline_def, types
+
+    DALI_AVAILABLE = True
+except ImportError:  # the torch backend serves machines without DALI
+    DALI_AVAILABLE = False
+
+
+def build_pipeline(
+    cfg: FeaturesConfig,
+    train: bool,
+    source: Callable,
+    batch_size: int,
+    num_threads: int,
+    seed: int,
+    device: str = "cpu",
+    resampling_device: str = "cpu",
+    device_id: int | None = None,
+):
+    """A built DALI pipeline whose outputs are (padded feats (B, F, T), feature shapes (B, 2)).
+
+    `source` is an external_source iterable yielding ([encoded uint8 arrays], [speeds]) per
+    batch and raising StopIteration at the end of an epoch (cycle="raise").
+    """
+    if device not in ("cpu", "gpu") or resampling_device not in ("cpu", "gpu"):
+        raise ValueError(
+            f"data.device = {device!r}, data.resampling_device = {resampling_device!r}: "
+            "each must be cpu or gpu"
+        )
+    if resampling_device == "gpu" and device == "cpu":
+        raise ValueError(
+            "data.resampling_device = gpu needs data.device = gpu (the feature stage cannot "
+            "move back to the CPU)"
+        )
+    win_length, hop = window_samples(cfg)
+    window = hann_window(win_length).tolist()
+    ln10 = math.log(10.0)
+
+    @pipeline_def(
+        batch_size=batch_size,
+        num_threads=num_threads,
+        device_id=device_id if device == "gpu" else None,
+        seed=seed,
+        prefetch_queue_depth=2,
+        exec_dynamic=False,
+    )
+    def pipe():
+        encoded, speed = fn.external_source(
+            source=source,
+            num_outputs=2,
+            batch=True,
+            cycle="raise",
+            dtype=[types.UINT8, types.FLOAT],
+        )
+        target_rate = cfg.sample_rate / speed  # evaluation feeds speed 1
+        if resampling_device == "gpu":
+            audio, in_rate = fn.decoders.audio(encoded, downmix=True, dtype=types.FLOAT)
+            audio = fn.audio_resample(audio.gpu(), in_rate=in_rate, out_rate=target_rate)
+        else:
+            audio, _ = fn.decoders.audio(
+                encoded, downmix=True, dtype=types.FLOAT, sample_rate=target_rate
+            )
+            if device == "gpu":
+                audio = audio.gpu()
+        begin, length = fn.nonsilent_region(
+            audio, cutoff_db=cfg.silence_threshold_db, window_length=TRIM_WINDOW
+        )
+        audio = fn.slice(audio, begin, length, axes=[0])
+        if cfg.dither > 0:
+            audio = audio + cfg.dither * fn.random.normal(audio, device=device)
+        audio = fn.preemphasis_filter(audio, preemph_coeff=cfg.preemph, border="zero")
+        spec = fn.spectrogram(
+            audio,
+            nfft=cfg.n_fft,
+            window_length=win_length,
+            window_step=hop,
+            window_fn=window,
+            center_windows=True,
+            reflect_padding=True,
+            power=2,
+        )
+        mel = fn.mel_filter_bank(
+            spec,
+            sample_rate=cfg.sample_rate,
+            nfilter=cfg.n_mels,
+            normalize=True,
+            mel_formula="slaney",
+            freq_low=0.0,
+            freq_high=cfg.sample_rate / 2,
+        )
+        # ln(x) = ln(10) * log10(x); the floor 1e-20 is a ratio of 10^(cutoff_db / multiplier)
+        logmel = fn.to_decibels(
+            mel, multiplier=ln10, reference=1.0, cutoff_db=ln10 * math.log10(cfg.log_floor)
+        )
+        feats = fn.normalize(logmel, axes=[1], epsilon=NORM_EPSILON, ddof=0)
+        return fn.pad(feats, axes=[1], fill_value=0.0), feats.shape(device="cpu")
+
+    pipeline = pipe()
+    pipeline.build()
+    return pipeline
+
+
+def _to_torch(tensor_list, device: torch.device) -> torch.Tensor:
+    """A uniform DALI TensorList as a torch tensor on `device` (copied: DALI reuses buffers)."""
+    dense = tensor_list.as_tensor()
+    if device.type == "cpu":
+        return torch.from_numpy(np.array(dense))
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    out = torch.empty(dense.shape(), dtype=torch.float32, device=device)
+    feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(device))
+    return out
+
+
+class DaliFeatureIterator:
+    """Iterates FeatureBatches of one epoch of `batches` (lists of dataset indices).
+
+    `read_batch(indices, epoch, batch_no)` returns (encoded arrays, speeds); `finish(indices,
+    feats, lens)` builds the FeatureBatch; `diagnose(indices)` names a bad file in a batch
+    DALI failed on. All three come from `rnnt.data.loader`, which owns file and token access.
+    """
+
+    def __init__(
+        self,
+        cfg: FeaturesConfig,
+        train: bool,
+        batches,
+        read_batch: Callable[[Sequence[int], int, int], tuple[list, list]],
+        finish: Callable[[Sequence[int], torch.Tensor, torch.Tensor], FeatureBatch],
+        diagnose: Callable[[Sequence[int], Exception], Exception],
+        max_batch_size: int,
+        num_threads: int,
+        seed: int,
+        device: str,
+        resampling_device: str,
+        torch_device: torch.device,
+    ) -> None:
+        if not DALI_AVAILABLE:
+            raise RuntimeError("data.backend = dali but nvidia.dali is not importable")
+        self.batches = batches
+        self.epoch = 0
+        self._read_batch = read_batch
+        self._finish = finish
+        self._diagnose = diagnose
+        self._pending: deque[Sequence[int]] = deque()  # batches DALI has been fed, in order
+        self._torch_device = torch_device
+        device_id = torch_device.index if torch_device.type == "cuda" else None
+        if device == "gpu" and device_id is None:
+            device_id = torch.cuda.current_device()
+        self.pipeline = build_pipeline(
+            cfg,
+            train,
+            self._source(),
+            max_batch_size,
+            num_threads,
+            seed,
+            device,
+            resampling_device,
+            device_id,
+        )
+
+    def _source(self):
+        owner = self
+
+        class _Epoch:
+            """Iterable for external_source: each iter() is the loader's current epoch."""
+
+            def __iter__(self) -> Iterator[tuple[list, list]]:
+                epoch = owner.epoch
+                start = getattr(owner.batches, "batches_done", 0)
+                for batch_no, indices in enumerate(owner.batches, start=start):
+                    owner._pending.append(indices)
+                    encoded, speeds = owner._read_batch(indices, epoch, batch_no)
+                    yield encoded, [np.float32(s) for s in speeds]
+
+        return _Epoch()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.batches, "set_epoch"):
+            self.batches.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[FeatureBatch]:
+        self._pending.clear()
+        while True:
+            try:
+                feats, shapes = self.pipeline.run()
+            except StopIteration:
+                self._pending.clear()
+                self.pipeline.reset()
+                return
+            except AudioFileError:
+                raise
+            except RuntimeError as err:
+                suspects = [i for batch in self._pending for i in batch]
+                raise self._diagnose(suspects, err) from err
+            indices = self._pending.popleft()
+            lens = torch.from_numpy(np.array(shapes.as_tensor())[:, 1].astype(np.int64))
+            yield self._finish(indices, _to_torch(feats, self._torch_device), lens)

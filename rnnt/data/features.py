@@ -1,0 +1,275 @@
+"""Torch-native audio front end: padded waveforms (B, S) -> normalized log-mels (B, n_mels, T).
+
+This module is the definition of the front end of SPEC.md; `rnnt.data.dali` builds the same
+maths from DALI operators and is tested against it. Every detail that SPEC.md leaves open is
+fixed here, chosen so that DALI's operators can express it exactly:
+
+* Decode: mono float32 at `sample_rate` (16 kHz); several channels are averaged.
+* Resampling (sample-rate conversion and speed perturbation, one pass): Hann-windowed sinc,
+  16 lobes (DALI's default quality), output sample n sits at input position
+  (n + 0.5) * in_rate / out_rate - 0.5, output length ceil(len * out_rate / in_rate); taps
+  outside the signal count as zero. Downsampling widens the kernel by in/out to low-pass.
+  It is not bit-exact with DALI's resampler (which reads a lookup table), so the backends
+  agree to the decibel, not to 1e-3, once perturbation is on; parity is defined without it.
+* Speed perturbation (train only): speed s ~ U[speed_perturbation_min, max] per utterance;
+  the waveform is resampled to sample_rate / s and read back at sample_rate, so s > 1 is
+  faster, shorter speech (out length ceil(len / s)).
+* Silence trim (DALI `nonsilent_region`, cutoff -60 dB): the mean square of x over every
+  window of W = 2048 samples starting at i, for i in [0, len - W]; the reference is the
+  largest window; windows with power >= reference * 10^(-60/10) are loud. The kept region is
+  [first loud i, last loud i + W). An utterance shorter than W is kept whole.
+* Dither: x + dither * N(0, 1) over the kept samples (train and eval alike; 0 turns it off).
+* Pre-emphasis: y[0] = x[0], y[i] = x[i] - 0.97 x[i-1] (DALI border="zero").
+* STFT: frames centred on multiples of the hop (160): frame t reads samples
+  [t*160 - 160, t*160 + 160), mirrored at both ends without repeating the edge sample
+  (numpy "reflect"); T = 1 + len // 160 frames. Window: symmetric Hann of 320 samples
+  (torch.hann_window(periodic=False)), handed to DALI explicitly; zero-padded to n_fft = 512
+  for the FFT; power spectrum |X|^2, 257 bins.
+* Mel: librosa.filters.mel(sr, n_fft, n_mels=80) (Slaney scale, Slaney area norm, 0..sr/2),
+  which is also what DALI `mel_filter_bank(normalize=True, mel_formula="slaney")` computes.
+* Log: ln(max(mel, 1e-20)).
+* Normalization per mel bin over the valid frames: (x - mean) / sqrt(var + 1e-5) with the
+  population variance (ddof 0, defined for one frame), DALI `normalize(axes=[1],
+  epsilon=1e-5)`. Frames past each length are zero.
+
+Shapes: B utterances, S samples (padded), T frames, F = n_mels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import librosa
+import numpy as np
+import soundfile as sf
+import torch
+from torch import nn
+
+from rnnt.config import FeaturesConfig
+
+TRIM_WINDOW = 2048  # samples per short-term power window of the silence trim
+NORM_EPSILON = 1e-5  # added to the variance of each mel bin
+RESAMPLE_LOBES = 16
+# elements of the (B, S_out chunk, taps) gather per resampling chunk: bounds peak memory
+_RESAMPLE_CHUNK_ELEMS = 1 << 24
+
+
+class AudioFileError(RuntimeError):
+    """An audio file that cannot be read; the message names the file."""
+
+
+def read_audio(path: str) -> tuple[np.ndarray, int]:
+    """(mono float32 samples, sample rate) of an audio file; channels are averaged."""
+    try:
+        samples, rate = sf.read(path, dtype="float32", always_2d=True)
+    except FileNotFoundError:
+        raise AudioFileError(f"{path}: audio file not found") from None
+    except (sf.LibsndfileError, RuntimeError, ValueError) as err:
+        raise AudioFileError(f"{path}: cannot decode audio ({err})") from None
+    if samples.shape[0] == 0:
+        raise AudioFileError(f"{path}: audio file has no samples")
+    return samples.mean(axis=1, dtype=np.float32), rate
+
+
+def hann_window(length: int) -> torch.Tensor:
+    """The analysis window of both backends (symmetric Hann), float32."""
+    return torch.hann_window(length, periodic=False, dtype=torch.float64).float()
+
+
+def mel_basis(cfg: FeaturesConfig) -> torch.Tensor:
+    """(n_mels, n_fft // 2 + 1) Slaney mel filters, float32."""
+    basis = librosa.filters.mel(
+        sr=cfg.sample_rate, n_fft=cfg.n_fft, n_mels=cfg.n_mels, htk=False, norm="slaney"
+    )
+    return torch.from_numpy(np.ascontiguousarray(basis, dtype=np.float32))
+
+
+def window_samples(cfg: FeaturesConfig) -> tuple[int, int]:
+    """(window length, hop) in samples."""
+    return round(cfg.window_size * cfg.sample_rate), round(cfg.window_stride * cfg.sample_rate)
+
+
+def num_frames(lengths: torch.Tensor, hop: int) -> torch.Tensor:
+    return lengths // hop + 1
+
+
+def _positions(lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, width) sample positions and the (B, width) mask of positions < lengths."""
+    pos = torch.arange(width, device=lengths.device)[None]
+    return pos, pos < lengths[:, None]
+
+
+def resample(
+    wave: torch.Tensor,
+    lengths: torch.Tensor,
+    ratio: torch.Tensor,
+    ratio_range: tuple[float, float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windowed-sinc resampling with a per-utterance ratio (out rate / in rate).
+
+    wave (B, S) float, lengths (B,) int64, ratio (B,) float inside ratio_range = (lo, hi),
+    which fixes the output width and tap count without reading `ratio` back (sync-free).
+    Returns (B, ceil(S * hi)) and the output lengths ceil(lengths * ratio).
+    """
+    batch, width = wave.shape
+    device = wave.device
+    ratio = ratio.to(device=device, dtype=torch.float64)
+    out_lens = torch.ceil(lengths.to(torch.float64) * ratio - 1e-9).to(torch.int64)
+    lo, hi = ratio_range
+    out_width = math.ceil(width * hi)
+    cutoff = torch.clamp(ratio, max=1.0)  # (B,) low-pass at the lower Nyquist rate
+    half = math.ceil(RESAMPLE_LOBES / min(1.0, lo))  # the lowest ratio needs the widest kernel
+    taps = torch.arange(-half + 1, half + 1, device=device, dtype=torch.float64)
+    out = torch.zeros(batch, out_width, dtype=wave.dtype, device=device)
+    chunk = max(1, _RESAMPLE_CHUNK_ELEMS // max(1, batch * taps.numel()))
+    for start in range(0, out_width, chunk):
+        n = torch.arange(start, min(start + chunk, out_width), device=device, dtype=torch.float64)
+        src = (n[None] + 0.5) / ratio[:, None] - 0.5  # (B, N) input positions
+        idx = torch.floor(src)[..., None] + taps  # (B, N, taps)
+        dist = (src[..., None] - idx) * cutoff[:, None, None]
+        envelope = 0.5 * (1 + torch.cos(math.pi * dist / RESAMPLE_LOBES))
+        weight = torch.sinc(dist) * envelope * cutoff[:, None, None]
+        weight = weight * (dist.abs() < RESAMPLE_LOBES)
+        inside = (idx >= 0) & (idx < lengths[:, None, None])
+        gathered = torch.gather(
+            wave, 1, idx.clamp(0, width - 1).to(torch.int64).reshape(batch, -1)
+        ).reshape(idx.shape)
+        out[:, start : start + n.numel()] = (
+            (gathered.to(torch.float64) * weight * inside).sum(-1).to(wave.dtype)
+        )
+    _, valid = _positions(out_lens, out_width)
+    return out * valid, out_lens
+
+
+def draw_speeds(cfg: FeaturesConfig, batch: int, generator: torch.Generator | None):
+    """(B,) float64 speeds ~ U[speed_perturbation_min, speed_perturbation_max] on the CPU."""
+    u = torch.rand(batch, generator=generator, dtype=torch.float64)
+    lo, hi = cfg.speed_perturbation_min, cfg.speed_perturbation_max
+    return lo + (hi - lo) * u
+
+
+def trim_silence(
+    wave: torch.Tensor, lengths: torch.Tensor, cutoff_db: float, window: int = TRIM_WINDOW
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut leading/trailing silence as DALI `nonsilent_region` does (see module docstring).
+
+    wave (B, S), lengths (B,). Returns the kept samples shifted to the start, (B, S), and their
+    lengths; sync-free (the width stays S).
+    """
+    batch, width = wave.shape
+    # float64 cumulative sums: float32 loses the quiet windows next to loud ones
+    energy = torch.cumsum(wave.to(torch.float64) ** 2, dim=1)
+    energy = torch.cat([energy.new_zeros(batch, 1), energy], dim=1)  # (B, S + 1)
+    n_windows = max(width - window + 1, 1)
+    if width >= window:
+        power = (energy[:, window:] - energy[:, :-window]) / window  # (B, S - W + 1)
+    else:
+        power = energy.new_zeros(batch, 1)
+    starts, valid = _positions(lengths - window + 1, n_windows)
+    power = torch.where(valid, power, torch.zeros_like(power))
+    reference = power.amax(dim=1, keepdim=True)
+    loud = valid & (power >= reference * 10.0 ** (cutoff_db / 10.0))
+    big = torch.iinfo(torch.int64).max
+    first = torch.where(loud, starts, big).amin(dim=1)
+    last = torch.where(loud, starts, -1).amax(dim=1)
+    short = lengths < window
+    begin = torch.where(short, 0, first)
+    end = torch.where(short, lengths, torch.minimum(last + window, lengths))
+    new_lens = end - begin
+    pos, keep = _positions(new_lens, width)
+    src = (pos + begin[:, None]).clamp(max=width - 1)
+    return torch.gather(wave, 1, src) * keep, new_lens
+
+
+def preemphasis(wave: torch.Tensor, coeff: float) -> torch.Tensor:
+    """y[i] = x[i] - coeff * x[i-1], y[0] = x[0]; zero padding stays zero except one sample
+    past the end, which callers mask."""
+    return torch.cat([wave[:, :1], wave[:, 1:] - coeff * wave[:, :-1]], dim=1)
+
+
+def power_spectrum(
+    wave: torch.Tensor, lengths: torch.Tensor, window: torch.Tensor, hop: int, n_fft: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Centred, reflect-padded STFT power: (B, S) -> (B, T, n_fft // 2 + 1), T = 1 + S // hop.
+
+    Reflection happens at each utterance's own end, so padding never leaks into its frames.
+    """
+    win = window.numel()
+    width = wave.shape[1]
+    frames = num_frames(lengths, hop)
+    t_max = width // hop + 1
+    idx = (
+        torch.arange(t_max, device=wave.device)[:, None] * hop
+        - win // 2
+        + torch.arange(win, device=wave.device)[None]
+    )  # (T, win) positions before reflection
+    last = (lengths - 1).clamp(min=0)[:, None, None]
+    idx = idx[None].abs()  # mirror at the start
+    idx = torch.where(idx > last, 2 * last - idx, idx).clamp(min=0)  # mirror at the end
+    idx = torch.minimum(idx, last)  # utterances shorter than half a window
+    segments = torch.gather(wave, 1, idx.reshape(wave.shape[0], -1)).reshape(idx.shape)
+    spec = torch.fft.rfft(segments * window, n=n_fft)
+    return spec.real**2 + spec.imag**2, frames
+
+
+class FeatureExtractor(nn.Module):
+    """Normalized log-mels of padded 16 kHz waveforms, batched and sync-free.
+
+    forward(wave (B, S) float32, lengths (B,) int64, generator) -> (feats (B, F, T), lens (B,))
+    with T = 1 + S' // hop where S' = S, or ceil(S / speed_perturbation_min) when perturbing.
+    `speed_perturb` (default: `train`) resamples every utterance at a random speed first; the
+    torch loader turns it off when perturbation already happened on another device.
+    `generator` drives speed and dither (a CPU torch.Generator for determinism; None = global).
+    """
+
+    def __init__(self, cfg: FeaturesConfig, train: bool, speed_perturb: bool | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.train_mode = train
+        self.speed_perturb = train if speed_perturb is None else speed_perturb
+        self.win_length, self.hop = window_samples(cfg)
+        if self.win_length > cfg.n_fft:
+            raise ValueError(
+                f"features.window_size gives {self.win_length} samples, more than "
+                f"features.n_fft = {cfg.n_fft}"
+            )
+        self.register_buffer("window", hann_window(self.win_length), persistent=False)
+        self.register_buffer("mel", mel_basis(cfg), persistent=False)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        wave: torch.Tensor,
+        lengths: torch.Tensor,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        wave = wave.float()
+        lengths = lengths.to(device=wave.device, dtype=torch.int64)
+        if self.speed_perturb:
+            speeds = draw_speeds(cfg, wave.shape[0], generator)
+            ratio_range = (1.0 / cfg.speed_perturbation_max, 1.0 / cfg.speed_perturbation_min)
+            wave, lengths = resample(wave, lengths, 1.0 / speeds, ratio_range)
+        wave, lengths = trim_silence(wave, lengths, cfg.silence_threshold_db)
+        _, valid = _positions(lengths, wave.shape[1])
+        if cfg.dither > 0:
+            device = generator.device if generator is not None else wave.device
+            noise = torch.randn(wave.shape, generator=generator, device=device)
+            wave = wave + cfg.dither * noise.to(wave.device) * valid
+        wave = preemphasis(wave, cfg.preemph) * valid
+        power, frames = power_spectrum(wave, lengths, self.window, self.hop, cfg.n_fft)
+        mel = torch.matmul(power, self.mel.T).transpose(1, 2)  # (B, F, T)
+        logmel = torch.log(torch.clamp(mel, min=cfg.log_floor))
+        return normalize(logmel, frames), frames
+
+
+def normalize(logmel: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Per-utterance, per-bin (x - mean) / sqrt(var + eps) over the first `lengths` frames;
+    (B, F, T) -> (B, F, T), zero past the lengths."""
+    _, valid = _positions(lengths, logmel.shape[2])
+    valid = valid[:, None, :]
+    count = lengths.clamp(min=1)[:, None, None].to(logmel.dtype)
+    mean = (logmel * valid).sum(2, keepdim=True) / count
+    centered = (logmel - mean) * valid
+    var = (centered**2).sum(2, keepdim=True) / count
+    return centered / torch.sqrt(var + NORM_EPSILON)
