@@ -81,9 +81,10 @@ class BucketingSampler:
         ]
         smallest = min(len(b) for b in self.buckets)
         if smallest < global_batch_size:
+            hint = ": use fewer buckets" if num_buckets > 1 else ""
             raise ValueError(
-                f"{n} utterances in {num_buckets} buckets leave a bucket of {smallest}, fewer "
-                f"than one global batch of {global_batch_size}: use fewer buckets"
+                f"{n} utterances in {num_buckets} bucket(s) leave a bucket of {smallest}, "
+                f"fewer than one global batch of {global_batch_size}{hint}"
             )
         self.global_batch_size = global_batch_size
         self.local_batch_size = global_batch_size // world_size

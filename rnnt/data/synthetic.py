@@ -1,0 +1,254 @@
+"""SYNTHETIC feature batches with real LibriSpeech shapes, for benchmarks and GPU tests.
+
+The features are noise (standard normal, like per-feature normalized log-mels); only the
+shapes are real. Utterances come from a lengths table of real LibriSpeech utterances
+(`../shared/data/librispeech_<split>_lengths.tsv`: id, duration in seconds, transcript):
+
+- frames: a clip of d seconds has n = round(d * sample_rate) samples; training speed
+  perturbation by rate s (uniform in [speed_perturbation_min, max] per utterance) resamples
+  it to round(n / s) samples; the STFT (centered, hop = window_stride * sample_rate = 160)
+  gives samples // hop + 1 frames. Silence trimming is not modelled (no audio).
+- tokens: the real transcript, normalized, encoded with the project's tokenizer, so token
+  counts are real. A model with another vocabulary size gets random ids of the same counts.
+- batches: training samples random batches (BucketingSampler with one bucket, as in the
+  published runs) over the utterances no longer than max_duration, so padding waste is
+  realistic; evaluation walks every utterance once in SequentialBatches order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rnnt.config import FeaturesConfig
+from rnnt.data.batch import FeatureBatch
+from rnnt.data.sampler import BucketingSampler, SequentialBatches
+from rnnt.data.text import invalid_characters, normalize_transcript
+from rnnt.data.tokenizer import Tokenizer, train_tokenizer
+
+
+class LengthsTableError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class LengthsTable:
+    """Utterances of a lengths table; transcripts are normalized (lower case)."""
+
+    path: Path
+    utt_ids: list[str]
+    durations: np.ndarray  # (N,) float64 seconds
+    transcripts: list[str]
+
+    def __len__(self) -> int:
+        return len(self.utt_ids)
+
+
+def read_lengths_table(path: str | Path) -> LengthsTable:
+    """Parse `id<TAB>duration_s<TAB>transcript` lines; '#' lines and blank lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise LengthsTableError(f"lengths table not found: {path}")
+    utt_ids: list[str] = []
+    durations: list[float] = []
+    transcripts: list[str] = []
+    seen: dict[str, int] = {}
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            line = line.rstrip("\r\n")
+            if not line.strip() or line.startswith("#"):
+                continue
+            where = f"{path}:{lineno}"
+            fields = line.split("\t")
+            if len(fields) != 3:
+                raise LengthsTableError(
+                    f"{where}: expected 3 tab-separated fields (id, duration_s, transcript), "
+                    f"got {len(fields)}"
+                )
+            utt_id, duration_text, transcript = (f.strip() for f in fields)
+            try:
+                duration = float(duration_text)
+            except ValueError:
+                raise LengthsTableError(
+                    f"{where}: duration {duration_text!r} is not a number"
+                ) from None
+            if not math.isfinite(duration) or duration <= 0:
+                raise LengthsTableError(f"{where}: duration {duration_text} must be > 0")
+            if not utt_id:
+                raise LengthsTableError(f"{where}: empty utterance id")
+            if utt_id in seen:
+                raise LengthsTableError(
+                    f"{where}: utterance {utt_id} already appears on line {seen[utt_id]}"
+                )
+            text = normalize_transcript(transcript)
+            if not text:
+                raise LengthsTableError(f"{where}: utterance {utt_id} has an empty transcript")
+            bad = invalid_characters(text)
+            if bad:
+                raise LengthsTableError(
+                    f"{where}: transcript of {utt_id} has characters outside the alphabet: {bad!r}"
+                )
+            seen[utt_id] = lineno
+            utt_ids.append(utt_id)
+            durations.append(duration)
+            transcripts.append(text)
+    if not utt_ids:
+        raise LengthsTableError(f"{path}: no utterances")
+    return LengthsTable(path, utt_ids, np.asarray(durations, dtype=np.float64), transcripts)
+
+
+def tokenizer_for_lengths_table(
+    lengths_tsv: str | Path, vocab_size: int, cache_dir: str | Path
+) -> Tokenizer:
+    """A `vocab_size`-piece tokenizer trained on the table's transcripts, cached in cache_dir.
+
+    The cache name carries a hash of the table, so an edited table trains a new model; the
+    model is written under a temporary name and renamed, so concurrent ranks never read a
+    half-written file.
+    """
+    path = Path(lengths_tsv)
+    table = read_lengths_table(path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    cache_dir = Path(cache_dir)
+    model = cache_dir / f"{path.stem}.{vocab_size}.{digest}.model"
+    if not model.is_file():
+        # no dots: train_tokenizer names its output prefix.with_suffix(".model")
+        tmp_prefix = cache_dir / f"tmp-{vocab_size}-{digest}-{os.getpid()}"
+        trained = train_tokenizer(table.transcripts, tmp_prefix, vocab_size)
+        trained.with_suffix(".vocab").unlink(missing_ok=True)
+        os.replace(trained, model)
+    return Tokenizer(model)
+
+
+def _derived_seed(*parts: int) -> int:
+    return int(np.random.SeedSequence(parts).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+class SyntheticFeatureSource:
+    """Iterable of FeatureBatch: noise features and real token ids at real LibriSpeech lengths.
+
+    batch_size is per rank. num_batches: batches per iteration; None is one pass (training:
+    one sampler epoch; evaluation: every utterance once). Training cycles through sampler
+    epochs when num_batches is larger. Deterministic in (seed, epoch, rank).
+    """
+
+    def __init__(
+        self,
+        lengths_tsv: str | Path,
+        batch_size: int,
+        tokenizer: Tokenizer,
+        features: FeaturesConfig,
+        *,
+        train: bool,
+        max_duration: float = 16.7,
+        vocab_size: int | None = None,
+        num_batches: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        table = read_lengths_table(lengths_tsv)
+        keep = np.flatnonzero(table.durations <= max_duration) if train else np.arange(len(table))
+        if keep.size == 0:
+            raise LengthsTableError(
+                f"{table.path}: no utterance is at most max_duration = {max_duration} s"
+            )
+        self.utt_ids = [table.utt_ids[i] for i in keep]
+        self.transcripts = [table.transcripts[i] for i in keep]
+        self.durations = table.durations[keep]
+        self.tokens = [tokenizer.encode(t, u) for t, u in zip(self.transcripts, self.utt_ids)]
+        if vocab_size is not None and vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2 (id 0 is <unk>), got {vocab_size}")
+        self.random_ids_below = (
+            vocab_size if vocab_size is not None and vocab_size != tokenizer.vocab_size else None
+        )
+        if features.speed_perturbation_min <= 0 or (
+            features.speed_perturbation_min > features.speed_perturbation_max
+        ):
+            raise ValueError(
+                f"features.speed_perturbation_min/max = {features.speed_perturbation_min}/"
+                f"{features.speed_perturbation_max}: need 0 < min <= max"
+            )
+        self.features = features
+        self.hop = round(features.window_stride * features.sample_rate)
+        self.train = train
+        self.seed = seed
+        self.rank = rank
+        self.device = torch.device(device)
+        self.epoch = 0
+        if train:
+            self.batches: BucketingSampler | SequentialBatches = BucketingSampler(
+                self.durations, batch_size * world_size, 1, rank, world_size, seed
+            )
+        else:
+            self.batches = SequentialBatches(self.durations, batch_size, rank, world_size)
+        self.num_batches = len(self.batches) if num_batches is None else num_batches
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def frames(self, durations: np.ndarray, speeds: np.ndarray) -> np.ndarray:
+        """Raw 10 ms frames of clips of `durations` seconds played at rates `speeds`."""
+        samples = np.rint(durations * self.features.sample_rate)
+        return (np.rint(samples / speeds).astype(np.int64) // self.hop) + 1
+
+    def _index_batches(self) -> Iterator[list[int]]:
+        epoch = self.epoch
+        while True:
+            if isinstance(self.batches, BucketingSampler):
+                self.batches.set_epoch(epoch)
+            yield from self.batches
+            epoch += 1
+
+    def __iter__(self) -> Iterator[FeatureBatch]:
+        rng = np.random.Generator(
+            np.random.PCG64(np.random.SeedSequence([self.seed, self.epoch, self.rank]))
+        )
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(_derived_seed(self.seed, self.epoch, self.rank, 1))
+        cfg = self.features
+        index_batches = self._index_batches()
+        for _ in range(self.num_batches):
+            idx = np.asarray(next(index_batches))
+            if self.train:
+                speeds = rng.uniform(
+                    cfg.speed_perturbation_min, cfg.speed_perturbation_max, size=idx.size
+                )
+            else:
+                speeds = np.ones(idx.size)
+            yield self._batch(idx, self.frames(self.durations[idx], speeds), rng, gen)
+
+    def _batch(
+        self, idx: np.ndarray, frames: np.ndarray, rng: np.random.Generator, gen: torch.Generator
+    ) -> FeatureBatch:
+        b = idx.size
+        token_lens = np.array([len(self.tokens[i]) for i in idx])
+        tokens = np.zeros((b, token_lens.max()), dtype=np.int64)
+        for row, i in enumerate(idx):
+            tokens[row, : token_lens[row]] = self.tokens[i]
+        if self.random_ids_below is not None:
+            random_ids = rng.integers(1, self.random_ids_below, size=tokens.shape)
+            tokens = np.where(np.arange(tokens.shape[1]) < token_lens[:, None], random_ids, 0)
+        dev = self.device
+        feat_lens = torch.from_numpy(frames).to(dev)
+        feats = torch.randn((b, self.features.n_mels, int(frames.max())), generator=gen, device=dev)
+        feats.masked_fill_(torch.arange(feats.shape[2], device=dev) >= feat_lens[:, None, None], 0)
+        return FeatureBatch(
+            feats=feats,
+            feat_lens=feat_lens,
+            tokens=torch.from_numpy(tokens).to(dev),
+            token_lens=torch.from_numpy(token_lens).to(dev),
+            utt_ids=[self.utt_ids[i] for i in idx],
+            transcripts=[self.transcripts[i] for i in idx],
+        )
