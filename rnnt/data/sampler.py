@@ -96,8 +96,6 @@ class BucketingSampler:
         self.num_batches = sum(len(b) // global_batch_size for b in self.buckets)
         self.epoch = 0
         self.batches_done = 0
-        # set after load_state_dict: the next set_epoch of the same epoch keeps the position
-        self._restored = False
         self._plan_epoch: int | None = None
         self._plan = np.empty((0, global_batch_size), dtype=np.int64)
 
@@ -110,14 +108,15 @@ class BucketingSampler:
         return self.num_batches * self.global_batch_size
 
     def set_epoch(self, epoch: int) -> None:
-        """Start `epoch` from its first batch; right after `load_state_dict` for the same
-        epoch, keep the restored position instead (training loops announce the epoch again)."""
+        """Move to the first batch of `epoch`. Setting the epoch it is already in keeps the
+        position: the training loop and the loader may both announce an epoch, and a position
+        restored by load_state_dict must survive that. Replaying an epoch means loading a
+        state_dict."""
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
-        if not (self._restored and epoch == self.epoch):
+        if epoch != self.epoch:
             self.epoch = epoch
             self.batches_done = 0
-        self._restored = False
 
     def global_batches(self, epoch: int) -> np.ndarray:
         """(num_batches, G) int64: every global batch of `epoch`, in order."""
@@ -134,24 +133,35 @@ class BucketingSampler:
         self._plan_epoch, self._plan = epoch, plan
         return plan
 
-    def __iter__(self) -> Iterator[list[int]]:
-        """The rest of the current epoch; an exhausted epoch yields nothing until set_epoch."""
-        self._restored = False
-        plan = self.global_batches(self.epoch)
+    def rank_batches(self, epoch: int) -> np.ndarray:
+        """(num_batches, G/W) int64: this rank's share of every global batch of `epoch`."""
         lo = self.rank * self.local_batch_size
-        hi = lo + self.local_batch_size
+        return self.global_batches(epoch)[:, lo : lo + self.local_batch_size]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """The rest of the current epoch; an exhausted epoch yields nothing more."""
+        plan = self.rank_batches(self.epoch)
         while self.batches_done < len(plan):
-            batch = plan[self.batches_done, lo:hi].tolist()
+            batch = plan[self.batches_done].tolist()
             # counted when handed out: a state_dict taken after the consumer finished this
             # batch resumes with the next one
             self.batches_done += 1
             yield batch
 
-    def state_dict(self) -> dict:
-        """Plain ints and strings only (loads with torch.load(weights_only=True))."""
+    def state_dict(self, batches_done: int | None = None) -> dict:
+        """Plain ints and strings only (loads with torch.load(weights_only=True)).
+
+        batches_done: the batches of this epoch the consumer has really finished, when it
+        differs from the batches handed out (a loader that prefetches is ahead of training).
+        """
+        if batches_done is not None and not 0 <= batches_done <= self.batches_done:
+            raise ValueError(
+                f"batches_done {batches_done} is not in [0, {self.batches_done}] "
+                "(the batches handed out so far this epoch)"
+            )
         return {
             "epoch": self.epoch,
-            "batches_done": self.batches_done,
+            "batches_done": self.batches_done if batches_done is None else batches_done,
             "seed": self.seed,
             "global_batch_size": self.global_batch_size,
             "num_buckets": self.num_buckets,
@@ -181,7 +191,6 @@ class BucketingSampler:
         self.epoch = int(state["epoch"])
         self.batches_done = int(state["batches_done"])
         self._plan_epoch = None
-        self._restored = True
 
 
 class SequentialBatches:

@@ -207,8 +207,9 @@ class SyntheticFeatureSource:
         epoch = self.epoch
         while True:
             if isinstance(self.batches, BucketingSampler):
-                self.batches.set_epoch(epoch)
-            yield from self.batches
+                yield from self.batches.rank_batches(epoch).tolist()
+            else:
+                yield from self.batches
             epoch += 1
 
     def __iter__(self) -> Iterator[FeatureBatch]:

@@ -95,13 +95,36 @@ def test_determinism_and_epoch_dependence():
     assert used[0] != used[1]
 
 
-def test_set_epoch_restarts_and_exhausted_epoch_yields_nothing():
+def test_set_epoch_moves_only_to_another_epoch():
     s = BucketingSampler(_durations(50), 5, 1, 0, 1, 0)
     s.set_epoch(2)
     first = list(s)
     assert len(first) == 10 and list(s) == []
-    s.set_epoch(2)
-    assert list(s) == first
+    s.set_epoch(2)  # the epoch it is in: the position stays (exhausted)
+    assert list(s) == []
+    s.set_epoch(3)
+    third = list(s)
+    assert len(third) == 10 and third != first
+    assert [b.tolist() for b in s.rank_batches(2)] == first
+
+
+def test_state_dict_for_a_prefetching_consumer():
+    durations = _durations(60)
+    s = BucketingSampler(durations, 6, 1, 0, 1, 2)
+    s.set_epoch(1)
+    full = list(s)
+    s = BucketingSampler(durations, 6, 1, 0, 1, 2)
+    s.set_epoch(1)
+    it = iter(s)
+    for _ in range(5):  # a loader prefetched 5 batches; training finished 3
+        next(it)
+    state = s.state_dict(batches_done=3)
+    assert state["batches_done"] == 3
+    resumed = BucketingSampler(durations, 6, 1, 0, 1, 2)
+    resumed.load_state_dict(state)
+    assert list(resumed) == full[3:]
+    with pytest.raises(ValueError, match="batches_done 6 is not in"):
+        s.state_dict(batches_done=6)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -111,6 +134,8 @@ def test_resume_at_every_batch(world):
         ref = BucketingSampler(durations, 6, 3, rank, world, seed=11)
         ref.set_epoch(3)
         full = list(ref)
+        ref.set_epoch(4)
+        next_epoch = list(ref)
         for k in range(len(full) + 1):
             s = BucketingSampler(durations, 6, 3, rank, world, seed=11)
             s.set_epoch(3)
@@ -120,12 +145,12 @@ def test_resume_at_every_batch(world):
             assert state["batches_done"] == k and state["epoch"] == 3
             resumed = BucketingSampler(durations, 6, 3, rank, world, seed=11)
             resumed.load_state_dict(state)
-            resumed.set_epoch(3)  # the training loop announces the epoch again
+            resumed.set_epoch(3)  # the training loop and the loader announce the epoch
+            resumed.set_epoch(3)
             assert head + list(resumed) == full
             # the following epoch is unaffected by the resume
             resumed.set_epoch(4)
-            ref.set_epoch(4)
-            assert list(resumed) == list(ref)
+            assert list(resumed) == next_epoch
 
 
 def test_resume_on_different_world_size_continues_the_global_sequence():
@@ -133,6 +158,7 @@ def test_resume_on_different_world_size_continues_the_global_sequence():
     one = BucketingSampler(durations, 8, 1, 0, 1, seed=5)
     one.set_epoch(1)
     full = list(one)
+    one = BucketingSampler(durations, 8, 1, 0, 1, seed=5)
     one.set_epoch(1)
     it = iter(one)
     for _ in range(4):

@@ -216,6 +216,7 @@ def test_num_batches_cycles_through_epochs(tmp_path, small_tokenizer):
         epoch_ids = [u for b in got[start : start + per_epoch] for u in b]
         assert len(epoch_ids) == len(set(epoch_ids))
     assert {u for b in got for u in b} <= {r[0] for r in kept}
+    assert [b.utt_ids for b in src] == got  # iterating again repeats the same batches
 
 
 def test_other_vocab_size_gives_random_ids_of_real_lengths(tmp_path, small_tokenizer):
