@@ -1,0 +1,106 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rnnt.run_log import METRICS_FILE, RunLog, read_metrics
+
+
+def strict_json(line):
+    def reject(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    return json.loads(line, parse_constant=reject)
+
+
+def test_step_and_eval_lines_and_records(tmp_path, capsys):
+    with RunLog(tmp_path, is_main=True) as log:
+        log.info("starting")
+        log.step(step=10, epoch=1, loss=52.25, lr=0.0031, utts_per_s=1520.44, loss_scale=512.0,
+                 skipped_steps=2)  # fmt: skip
+        log.eval(epoch=1, step=10, wer=0.2843, utterances=2703, seconds=1.93)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("] starting")
+    assert out[1].endswith(
+        "] epoch 1 step 10 | loss 52.2500 | lr 3.100e-03 | 1520.4 utt/s | loss scale 512 | "
+        "skipped steps 2"
+    )
+    assert out[2].endswith("] epoch 1 step 10 | dev WER 28.430% | 2703 utterances in 1.93 s")
+    lines = (tmp_path / METRICS_FILE).read_text().splitlines()
+    train, ev = (strict_json(line) for line in lines)
+    assert train.pop("time") > 0 and ev.pop("time") > 0
+    assert train == {"kind": "train", "step": 10, "epoch": 1, "loss": 52.25, "lr": 0.0031,
+                     "utts_per_s": 1520.44, "loss_scale": 512.0, "skipped_steps": 2}  # fmt: skip
+    assert ev == {"kind": "eval", "epoch": 1, "step": 10, "wer": 0.2843, "utterances": 2703,
+                  "seconds": 1.93}  # fmt: skip
+
+
+def test_non_finite_values_stay_valid_json(tmp_path):
+    with RunLog(tmp_path) as log:
+        log.step(step=1, epoch=1, loss=float("nan"), lr=1e-3, utts_per_s=float("inf"),
+                 loss_scale=256.0, skipped_steps=1)  # fmt: skip
+    record = strict_json((tmp_path / METRICS_FILE).read_text())
+    assert record["loss"] == "nan" and record["utts_per_s"] == "inf"
+
+
+def test_resumed_run_appends(tmp_path):
+    for step in (1, 2):
+        with RunLog(tmp_path) as log:
+            log.eval(epoch=step, step=step, wer=0.5, utterances=3, seconds=0.1)
+    assert [r["epoch"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1, 2]
+
+
+def test_other_ranks_are_silent(tmp_path, capsys):
+    log = RunLog(tmp_path / "out", is_main=False)
+    log.info("x")
+    log.step(step=1, epoch=1, loss=1.0, lr=1.0, utts_per_s=1.0, loss_scale=1.0, skipped_steps=0)
+    log.eval(epoch=1, step=1, wer=0.1, utterances=1, seconds=1.0)
+    log.close()
+    assert capsys.readouterr().out == ""
+    assert not (tmp_path / "out").exists()
+
+
+def test_progress_bar_hidden_without_a_terminal(tmp_path):
+    with RunLog(tmp_path) as log:
+        bar = log.progress(range(5), total=5, desc="eval")
+        assert bar.disable  # pytest's stderr is not a TTY
+        assert list(bar) == [0, 1, 2, 3, 4]
+
+
+def test_read_metrics_names_bad_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"kind": "train", "step": 1}\n{"kind": \n')
+    with pytest.raises(ValueError, match=r"m\.jsonl:2: not a JSON object"):
+        read_metrics(path)
+    path.write_text('{"kind": "train"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"m\.jsonl:2: expected an object"):
+        read_metrics(path)
+
+
+def test_plot_script_writes_png(tmp_path, repo_root):
+    with RunLog(tmp_path) as log:
+        for step in range(1, 41):
+            log.step(step=step, epoch=1 + step // 10, loss=100.0 / step, lr=1e-3 * min(step, 10),
+                     utts_per_s=1000.0, loss_scale=512.0, skipped_steps=0)  # fmt: skip
+            if step % 10 == 0:
+                log.eval(epoch=step // 10, step=step, wer=0.5 / step, utterances=2703, seconds=1)
+        log.step(step=41, epoch=5, loss=float("nan"), lr=1e-3, utts_per_s=1.0, loss_scale=256.0,
+                 skipped_steps=1)  # fmt: skip
+    out = tmp_path / "curves.png"
+    script = repo_root / "scripts" / "plot_metrics.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / METRICS_FILE), "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1200, 450)
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    result = subprocess.run([sys.executable, str(script), str(bad)], capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2 and "bad.jsonl:1" in result.stderr
