@@ -228,3 +228,21 @@ def test_cuda_graphs_see_weights_copied_in_place():
             p.copy_(q)
     assert decoder.decode(f, f_lens) == decode_reference(other, f, f_lens, other.blank_idx, 3, 30)
     assert decoder._graph is graph  # no re-capture
+
+
+def test_decode_benchmark_cpu_smoke(repo_root, shared_data, tmp_path):
+    import json
+    import runpy
+
+    bench = runpy.run_path(str(repo_root / "bench" / "decode.py"), run_name="bench_decode")
+    out = tmp_path / "bench.json"
+    argv = [str(repo_root / "configs" / "tiny.yaml"), "--device", "cpu", "--limit", "6"]
+    argv += ["--batch-sizes", "4", "--repeats", "1", "--reference-sample", "2"]
+    argv += ["--calibration-iters", "3", "--json", str(out)]
+    argv += ["--lengths", str(shared_data / "librispeech_dev-clean_lengths.tsv")]
+    assert bench["main"](argv) == 0
+    result = json.loads(out.read_text())
+    assert result["utterances"] == 6 and result["all_modes_identical"]
+    assert [r["mode"] for r in result["rows"]] == [*MODES, "reference"]
+    assert result["rows"][-1]["matches_batched"]
+    assert all(r["utt_per_s"] > 0 for r in result["rows"])

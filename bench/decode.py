@@ -1,0 +1,317 @@
+"""Greedy decoding throughput of every `GreedyDecoder` mode on the dev-clean utterance shapes.
+
+    python bench/decode.py --device cuda                       # the 49M model, full dev-clean
+    python bench/decode.py configs/tiny.yaml --device cpu --limit 16 --batch-sizes 8
+
+Inputs are random features with the exact lengths of the 2,703 dev-clean utterances (encoder
+frames = ceil(ceil(ceil(duration * 100) / 3) / 2)), batched in file order like the evaluation
+set. The encoder runs once per batch (timed separately); each mode then decodes the cached
+encoder outputs. One untimed warm-up pass (it includes the CUDA graph captures) precedes
+`--repeats` timed passes; the table shows the median pass. GPU timings use CUDA events.
+
+Emission rate: decoding cost depends on how many symbols the model emits. With `--checkpoint`
+the trained weights decide. Without one, the blank logit's bias is bisected so that the model
+emits LibriSpeech's tokens per encoder frame (tokens of the dev-clean transcripts under the
+configured tokenizer, or a tokenizer trained on those transcripts, or words as a last resort);
+the output says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rnnt.config import ConfigError, load_config  # noqa: E402
+from rnnt.data.text import normalize_transcript  # noqa: E402
+from rnnt.data.tokenizer import Tokenizer, TokenizerError, train_tokenizer  # noqa: E402
+from rnnt.decoding import MODES, GreedyDecoder, decode_reference  # noqa: E402
+from rnnt.model import RNNT  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def read_lengths(path: Path) -> tuple[list[float], list[str]]:
+    """(durations in seconds, normalized transcripts) of a `utt_id<TAB>duration<TAB>text` file."""
+    durations, texts = [], []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        fields = line.split("\t")
+        try:
+            durations.append(float(fields[1]))
+        except (IndexError, ValueError):
+            raise SystemExit(
+                f"{path}:{lineno}: expected utt_id<TAB>duration<TAB>transcript"
+            ) from None
+        texts.append(normalize_transcript(fields[2]) if len(fields) > 2 else "")
+    return durations, texts
+
+
+def spliced_frames(duration: float, splice: int) -> int:
+    """10 ms feature frames after stacking/subsampling by `splice`."""
+    return math.ceil(math.ceil(round(duration * 100, 6)) / splice)
+
+
+def count_tokens(texts: list[str], cfg, tokenizer_path: str) -> tuple[int, str]:
+    """Total tokens of `texts`, and how they were counted."""
+    path = Path(tokenizer_path or cfg.data.tokenizer)
+    if not path.is_absolute():
+        path = ROOT / path
+    if path.is_file():
+        tok = Tokenizer(path)
+        return sum(len(tok.sp.encode(t)) for t in texts), f"tokenizer {path}"
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            model = train_tokenizer(texts, Path(tmp) / "sp", cfg.data.vocab_size)
+            tok = Tokenizer(model)
+            total = sum(len(tok.sp.encode(t)) for t in texts)
+            return (
+                total,
+                f"a {cfg.data.vocab_size}-piece unigram tokenizer trained on these transcripts",
+            )
+        except TokenizerError:
+            return sum(len(t.split()) for t in texts), "words (no tokenizer could be built)"
+
+
+class Timer:
+    """Seconds of a region: CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self) -> Timer:
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(True), torch.cuda.Event(True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1000
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
+def make_batches(spliced: list[int], batch_size: int, in_feats: int, device, dtype, gen):
+    """Random features (T, B, in_feats), zero past each length, in file order."""
+    for i in range(0, len(spliced), batch_size):
+        lens = torch.tensor(spliced[i : i + batch_size])
+        feats = torch.randn(int(lens.max()), len(lens), in_feats, generator=gen)
+        feats[torch.arange(feats.shape[0])[:, None] >= lens[None, :]] = 0
+        yield feats.to(device, dtype), lens.to(device)
+
+
+@torch.no_grad()
+def emission_rate(model, encoded, blank, cfg) -> float:
+    decoder = GreedyDecoder(
+        model, blank, cfg.eval.max_symbols_per_step, cfg.eval.max_symbols_per_utterance
+    )
+    tokens = frames = 0
+    for f, f_lens in encoded:
+        tokens += sum(len(h) for h in decoder.decode(f, f_lens))
+        frames += int(f_lens.sum())
+    return tokens / max(frames, 1)
+
+
+@torch.no_grad()
+def calibrate_blank_bias(model, encoded, blank, cfg, target: float, iters: int = 14) -> float:
+    """Bisect the blank bias: a larger bias makes blank win more often, lowering the rate."""
+    bias = model.joint.fc.bias
+    base = float(bias[blank])
+    lo, hi = base - 20.0, base + 20.0
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        bias[blank] = mid
+        if emission_rate(model, encoded, blank, cfg) > target:
+            lo = mid
+        else:
+            hi = mid
+    bias[blank] = (lo + hi) / 2
+    return emission_rate(model, encoded, blank, cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("config", nargs="?", default=str(ROOT / "configs/baseline_v3-1023sp.yaml"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: fp16 on cuda, fp32 on cpu")
+    parser.add_argument("--lengths", help="default: the config's data.synthetic_val_lengths")
+    parser.add_argument("--limit", type=int, default=0, help="first N utterances only")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 338])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--reference-sample", type=int, default=16, help="utterances")
+    parser.add_argument("--checkpoint", help="model weights (state_dict, or a dict with 'model')")
+    parser.add_argument("--tokenizer", default="", help="for the emission-rate target")
+    parser.add_argument("--calibration-iters", type=int, default=14, help="bisection steps")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ("fp16" if device.type == "cuda" else "fp32")]
+    lengths = Path(args.lengths or cfg.data.synthetic_val_lengths)
+    if not lengths.is_absolute():
+        lengths = ROOT / lengths
+    durations, texts = read_lengths(lengths)
+    if args.limit:
+        durations, texts = durations[: args.limit], texts[: args.limit]
+    spliced = [spliced_frames(d, cfg.features.frame_subsample) for d in durations]
+    stack = cfg.model.enc_stack_time_factor
+    frames = [-(-t // stack) for t in spliced]  # encoder frames
+
+    torch.manual_seed(args.seed)
+    model = RNNT(cfg.model)
+    if args.checkpoint:
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(state.get("model", state))
+    model = model.to(device, dtype).eval()
+    blank = model.blank_idx
+    gen = torch.Generator().manual_seed(args.seed)
+    n_utts = len(frames)
+    result: dict = {
+        "config": args.config,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "utterances": n_utts,
+        "encoder_frames": sum(frames),
+        "max_symbols_per_step": cfg.eval.max_symbols_per_step,
+        "max_symbols_per_utterance": cfg.eval.max_symbols_per_utterance,
+        "cg_unroll_factor": cfg.eval.cg_unroll_factor,
+        "rows": [],
+    }
+
+    encoded_by_bs: dict[int, list] = {}
+    encode_s: dict[int, float] = {}
+    for bs in args.batch_sizes:
+        batches, total = [], 0.0
+        for i, (feats, lens) in enumerate(
+            make_batches(spliced, bs, cfg.model.in_feats, device, dtype, gen)
+        ):
+            if i == 0:
+                with torch.no_grad():
+                    model.encode(feats, lens)  # untimed: cuDNN/allocator warm-up
+            with Timer(device) as t, torch.no_grad():
+                batches.append(model.encode(feats, lens))
+            total += t.seconds
+        encoded_by_bs[bs], encode_s[bs] = batches, total
+
+    if args.checkpoint:
+        result["emissions"] = "trained weights from " + args.checkpoint
+    else:
+        tokens, how = count_tokens(texts, cfg, args.tokenizer)
+        target = tokens / sum(frames)
+        calib = encoded_by_bs[args.batch_sizes[0]][:2]
+        achieved = calibrate_blank_bias(model, calib, blank, cfg, target, args.calibration_iters)
+        result["emissions"] = (
+            f"random weights; blank bias set to {model.joint.fc.bias[blank].item():.3f} so "
+            f"that the calibration batches emit {achieved:.4f} symbols per encoder frame "
+            f"(target {target:.4f}: dev-clean {how})"
+        )
+    print(result["emissions"])
+
+    hyps: dict[tuple[str, int], list] = {}
+    for bs in args.batch_sizes:
+        for mode in args.modes:
+            decoder = GreedyDecoder(
+                model,
+                blank,
+                cfg.eval.max_symbols_per_step,
+                cfg.eval.max_symbols_per_utterance,
+                mode=mode,
+                batch_size=bs,
+                unroll_factor=cfg.eval.cg_unroll_factor,
+                max_frames=max(frames),
+            )
+            passes = []
+            for rep in range(args.repeats + 1):  # pass 0: warm-up and graph capture
+                out, seconds = [], 0.0
+                for f, f_lens in encoded_by_bs[bs]:
+                    with Timer(device) as t:
+                        out.extend(decoder.decode(f, f_lens))
+                    seconds += t.seconds
+                if rep:
+                    passes.append(seconds)
+            hyps[(mode, bs)] = out
+            median = statistics.median(passes)
+            result["rows"].append(
+                {
+                    "mode": mode,
+                    "batch_size": bs,
+                    "utterances": n_utts,
+                    "decode_s": median,
+                    "utt_per_s": n_utts / median,
+                    "encode_s": encode_s[bs],
+                    "utt_per_s_with_encoder": n_utts / (median + encode_s[bs]),
+                    "symbols": sum(map(len, out)),
+                    "passes_s": passes,
+                }
+            )
+    first = next(iter(hyps.values()))
+    result["all_modes_identical"] = all(h == first for h in hyps.values())
+
+    sample = min(args.reference_sample, n_utts)
+    if sample:
+        f, f_lens = encoded_by_bs[args.batch_sizes[0]][0]
+        sample = min(sample, f.shape[0])
+        with Timer(device) as t:
+            ref = decode_reference(
+                model,
+                f[:sample],
+                f_lens[:sample],
+                blank,
+                cfg.eval.max_symbols_per_step,
+                cfg.eval.max_symbols_per_utterance,
+            )
+        result["rows"].append(
+            {
+                "mode": "reference",
+                "batch_size": 1,
+                "utterances": sample,
+                "decode_s": t.seconds,
+                "utt_per_s": sample / t.seconds,
+                "symbols": sum(map(len, ref)),
+                "matches_batched": ref == first[:sample],
+            }
+        )
+
+    print(f"{n_utts} utterances, {result['device']}, {result['dtype']}")
+    print(
+        f"{'mode':<20}{'batch':>6}{'utts':>6}{'decode s':>10}{'utt/s':>10}"
+        f"{'+enc utt/s':>12}{'symbols':>9}"
+    )
+    for row in result["rows"]:
+        print(
+            f"{row['mode']:<20}{row['batch_size']:>6}{row['utterances']:>6}"
+            f"{row['decode_s']:>10.4f}{row['utt_per_s']:>10.1f}"
+            f"{row.get('utt_per_s_with_encoder', float('nan')):>12.1f}{row['symbols']:>9}"
+        )
+    print(f"all modes identical: {result['all_modes_identical']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
