@@ -38,6 +38,7 @@ Shapes: B utterances, S samples (padded), T frames, F = n_mels.
 from __future__ import annotations
 
 import math
+import os
 
 import librosa
 import numpy as np
@@ -60,10 +61,10 @@ class AudioFileError(RuntimeError):
 
 def read_audio(path: str) -> tuple[np.ndarray, int]:
     """(mono float32 samples, sample rate) of an audio file; channels are averaged."""
+    if not os.path.isfile(path):
+        raise AudioFileError(f"{path}: audio file not found")
     try:
         samples, rate = sf.read(path, dtype="float32", always_2d=True)
-    except FileNotFoundError:
-        raise AudioFileError(f"{path}: audio file not found") from None
     except (sf.LibsndfileError, RuntimeError, ValueError) as err:
         raise AudioFileError(f"{path}: cannot decode audio ({err})") from None
     if samples.shape[0] == 0:
@@ -107,14 +108,14 @@ def resample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Windowed-sinc resampling with a per-utterance ratio (out rate / in rate).
 
-    wave (B, S) float, lengths (B,) int64, ratio (B,) float inside ratio_range = (lo, hi),
+    wave (B, S) float, lengths (B,) int64, ratio (B,) float64 inside ratio_range = (lo, hi),
     which fixes the output width and tap count without reading `ratio` back (sync-free).
     Returns (B, ceil(S * hi)) and the output lengths ceil(lengths * ratio).
     """
     batch, width = wave.shape
     device = wave.device
     ratio = ratio.to(device=device, dtype=torch.float64)
-    out_lens = torch.ceil(lengths.to(torch.float64) * ratio - 1e-9).to(torch.int64)
+    out_lens = torch.ceil(lengths.to(torch.float64) * ratio).to(torch.int64)
     lo, hi = ratio_range
     out_width = math.ceil(width * hi)
     cutoff = torch.clamp(ratio, max=1.0)  # (B,) low-pass at the lower Nyquist rate

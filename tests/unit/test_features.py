@@ -1,0 +1,197 @@
+"""Torch-native front end against outside oracles: librosa (STFT, mel), scipy (pre-emphasis),
+brute-force loops (silence trim, normalization), analytic sinusoids (resampling)."""
+
+from __future__ import annotations
+
+import librosa
+import numpy as np
+import pytest
+import scipy.signal
+import soundfile as sf
+import torch
+
+from rnnt.config import FeaturesConfig
+from rnnt.data.features import (
+    TRIM_WINDOW,
+    AudioFileError,
+    FeatureExtractor,
+    mel_basis,
+    normalize,
+    preemphasis,
+    read_audio,
+    resample,
+    trim_silence,
+)
+
+
+def _speechlike(rng: np.random.Generator, n: int, lead: int = 0, trail: int = 0) -> np.ndarray:
+    """Harmonics with a syllable envelope between silent margins (float32)."""
+    t = np.arange(n) / 16000
+    f0 = 120 + 30 * np.sin(2 * np.pi * 3 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / 16000
+    voiced = sum(np.sin(k * phase) / k for k in range(1, 12))
+    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 4 * t) ** 2
+    x = 0.3 * voiced * envelope + 0.01 * rng.standard_normal(n)
+    return np.concatenate([np.zeros(lead), x, np.zeros(trail)]).astype(np.float32)
+
+
+def _pad(rows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    lens = torch.tensor([len(r) for r in rows])
+    out = torch.zeros(len(rows), int(lens.max()))
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.from_numpy(r)
+    return out, lens
+
+
+def _trim_oracle(x: np.ndarray, cutoff_db: float) -> tuple[int, int]:
+    """Loop over every window: (begin, end) of the kept region as defined in features.py."""
+    n = len(x)
+    if n < TRIM_WINDOW:
+        return 0, n
+    x64 = x.astype(np.float64)
+    power = np.array([np.mean(x64[i : i + TRIM_WINDOW] ** 2) for i in range(n - TRIM_WINDOW + 1)])
+    loud = np.flatnonzero(power >= power.max() * 10 ** (cutoff_db / 10))
+    return int(loud[0]), min(int(loud[-1]) + TRIM_WINDOW, n)
+
+
+def _librosa_features(x: np.ndarray, cfg: FeaturesConfig) -> np.ndarray:
+    """The whole front end (no trim, no dither) from librosa and numpy."""
+    y = scipy.signal.lfilter([1.0, -cfg.preemph], [1.0], x.astype(np.float64))
+    window = scipy.signal.get_window("hann", 320, fftbins=False)
+    spec = librosa.stft(
+        y, n_fft=512, hop_length=160, win_length=320, window=window, center=True, pad_mode="reflect"
+    )
+    mel = librosa.filters.mel(sr=16000, n_fft=512, n_mels=80) @ np.abs(spec) ** 2
+    logmel = np.log(np.maximum(mel, cfg.log_floor))
+    mean = logmel.mean(axis=1, keepdims=True)
+    return (logmel - mean) / np.sqrt(logmel.var(axis=1, keepdims=True) + 1e-5)
+
+
+def test_mel_basis_is_librosa_slaney():
+    basis = mel_basis(FeaturesConfig()).numpy()
+    assert basis.shape == (80, 257)
+    np.testing.assert_allclose(basis, librosa.filters.mel(sr=16000, n_fft=512, n_mels=80), atol=0)
+    # Slaney area normalization: each triangle integrates to 2 / (upper edge - lower edge) Hz
+    assert np.all(basis.sum(axis=1) > 0)
+
+
+def test_features_match_librosa_pipeline():
+    cfg = FeaturesConfig(dither=0.0)
+    rng = np.random.default_rng(0)
+    # no silent margins: the trim keeps everything, so librosa needs no trim
+    x = _speechlike(rng, 16000)
+    feats, lens = FeatureExtractor(cfg, train=False)(*_pad([x]))
+    expected = _librosa_features(x, cfg)
+    assert lens.tolist() == [expected.shape[1]] == [1 + 16000 // 160]
+    np.testing.assert_allclose(feats[0].numpy(), expected, atol=1e-3)
+
+
+def test_trim_matches_window_loop_oracle():
+    rng = np.random.default_rng(1)
+    rows = [
+        _speechlike(rng, 6000, lead=3000, trail=5000),
+        _speechlike(rng, 9000, lead=0, trail=2500),
+        _speechlike(rng, 1500),  # shorter than the window: kept whole
+        _speechlike(rng, 4000, lead=7000, trail=0) * 1e-3,
+    ]
+    rows[3][:200] += 0.5  # a click far from the speech: stays inside the kept region
+    wave, lens = _pad(rows)
+    trimmed, new_lens = trim_silence(wave, lens, -60.0)
+    for i, x in enumerate(rows):
+        begin, end = _trim_oracle(x, -60.0)
+        assert new_lens[i] == end - begin
+        np.testing.assert_array_equal(trimmed[i, : end - begin].numpy(), x[begin:end])
+        assert torch.all(trimmed[i, end - begin :] == 0)
+    assert new_lens[0] < len(rows[0]) and new_lens[2] == 1500
+
+
+def test_preemphasis_matches_lfilter():
+    x = np.random.default_rng(2).standard_normal(500).astype(np.float32)
+    y = preemphasis(torch.from_numpy(x)[None], 0.97)[0].numpy()
+    np.testing.assert_allclose(y, scipy.signal.lfilter([1, -0.97], [1], x), atol=1e-6)
+
+
+def test_normalize_uses_valid_frames_only():
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal((2, 4, 9)) * 3 + 5)
+    lens = torch.tensor([9, 5])
+    out = normalize(x, lens)
+    for b, n in enumerate(lens.tolist()):
+        v = x[b, :, :n].numpy()
+        ref = (v - v.mean(1, keepdims=True)) / np.sqrt(v.var(1, keepdims=True) + 1e-5)
+        np.testing.assert_allclose(out[b, :, :n].numpy(), ref, atol=1e-10)
+        assert torch.all(out[b, :, n:] == 0)
+
+
+@pytest.mark.parametrize("ratio", [0.85, 1.0 / 0.85, 16000 / 22050])
+def test_resample_sinusoid(ratio):
+    n = 8000
+    freq = 440.0 / 16000  # cycles per input sample, well below either Nyquist
+    x = np.sin(2 * np.pi * freq * np.arange(n)).astype(np.float32)
+    out, lens = resample(
+        torch.from_numpy(x)[None],
+        torch.tensor([n]),
+        torch.tensor([ratio], dtype=torch.float64),
+        (ratio, ratio),
+    )
+    m = int(lens[0])
+    assert m == int(np.ceil(n * ratio))
+    # output sample k sits at input position (k + 0.5) / ratio - 0.5
+    pos = (np.arange(m) + 0.5) / ratio - 0.5
+    expected = np.sin(2 * np.pi * freq * pos)
+    inner = slice(100, m - 100)  # away from the zero-extended edges
+    np.testing.assert_allclose(out[0, inner].numpy(), expected[inner], atol=2e-3)
+
+
+def test_resample_downsampling_removes_what_cannot_be_represented():
+    n = 16000
+    x = np.sin(2 * np.pi * 7000 / 16000 * np.arange(n)).astype(np.float32)  # above 5.4 kHz
+    out, lens = resample(
+        torch.from_numpy(x)[None],
+        torch.tensor([n]),
+        torch.tensor([0.68], dtype=torch.float64),
+        (0.68, 0.68),
+    )
+    assert out[0, 500 : int(lens[0]) - 500].abs().max() < 0.02
+
+
+def test_batched_equals_one_by_one_and_pads_with_zeros():
+    cfg = FeaturesConfig(dither=0.0)
+    rng = np.random.default_rng(4)
+    rows = [_speechlike(rng, 5000, 2500, 1000), _speechlike(rng, 12000), _speechlike(rng, 3000)]
+    extractor = FeatureExtractor(cfg, train=False)
+    feats, lens = extractor(*_pad(rows))
+    for i, x in enumerate(rows):
+        alone, alone_len = extractor(*_pad([x]))
+        n = int(alone_len[0])
+        assert int(lens[i]) == n
+        np.testing.assert_allclose(feats[i, :, :n].numpy(), alone[0, :, :n].numpy(), atol=1e-5)
+        assert torch.all(feats[i, :, n:] == 0)
+
+
+def test_speed_perturbation_and_dither_follow_the_generator():
+    cfg = FeaturesConfig()
+    rng = np.random.default_rng(5)
+    wave, lens = _pad([_speechlike(rng, 8000), _speechlike(rng, 6000)])
+    extractor = FeatureExtractor(cfg, train=True)
+    a, a_lens = extractor(wave, lens, torch.Generator().manual_seed(7))
+    b, b_lens = extractor(wave, lens, torch.Generator().manual_seed(7))
+    c, c_lens = extractor(wave, lens, torch.Generator().manual_seed(8))
+    assert torch.equal(a, b) and torch.equal(a_lens, b_lens)
+    assert not torch.equal(a_lens, c_lens) or not torch.equal(a, c)
+    # speeds in [0.85, 1.15]: frames of a shorter/longer resampled utterance (no trim here)
+    for n, frames in zip(lens.tolist(), a_lens.tolist()):
+        assert 1 + int(n / 1.15) // 160 <= frames <= 1 + int(np.ceil(n / 0.85)) // 160
+
+
+def test_read_audio_names_missing_and_corrupt_files(tmp_path):
+    stereo = np.stack([np.linspace(-0.5, 0.5, 800), np.zeros(800)], axis=1)
+    sf.write(tmp_path / "ok.wav", stereo, 16000, subtype="FLOAT")
+    samples, rate = read_audio(str(tmp_path / "ok.wav"))
+    assert rate == 16000
+    np.testing.assert_allclose(samples, stereo.mean(axis=1), atol=1e-7)
+    with pytest.raises(AudioFileError, match="missing.flac: audio file not found"):
+        read_audio(str(tmp_path / "missing.flac"))
+    (tmp_path / "bad.flac").write_bytes(b"fLaC" + bytes(range(200)))
+    with pytest.raises(AudioFileError, match="bad.flac: cannot decode audio"):
+        read_audio(str(tmp_path / "bad.flac"))
