@@ -6,7 +6,10 @@ slice) against the eager model, values and gradients. GPU tests compare captured
 eager training and check dropout freshness and the absence of host syncs.
 """
 
+import json
 import math
+import subprocess
+import sys
 
 import librosa
 import numpy as np
@@ -337,3 +340,44 @@ def test_training_step_has_no_host_sync(repo_root):
         torch.cuda.set_sync_debug_mode("default")
     values = runner.scalars.read()
     assert math.isfinite(values["loss"]) and values["scale"] > 0
+
+
+# ------------------------------------------------------------------------------ bench
+
+
+def test_bench_train_step_runs_on_cpu(repo_root, shared_data, tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "bench/train_step.py", "--device", "cpu", "--config", "configs/tiny.yaml",
+        "--batch-sizes", "4", "--steps", "2", "--warmup", "1", "--json", str(out),
+        "--set", "data.max_duration=4",  # short utterances keep the CPU run to seconds
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [r["batch_size"] for r in rows] == [4] and rows[0]["num_cg"] == 0
+    assert rows[0]["median_step_ms"] > 0 and rows[0]["utts_per_s"] > 0
+    assert "utts/s" in proc.stdout
+
+
+def test_bench_flop_count_matches_torch_flop_counter():
+    """step_flops (3x the forward GEMMs) against FlopCounterMode on a real forward + backward.
+    The counter sees one GEMM fewer per LSTM layer: no gradient flows into the zero initial
+    state h_{-1}, which saves 2*B*4H*H FLOPs per layer. oneDNN's fused CPU LSTM is invisible
+    to the counter, so it is switched off."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from bench.train_step import step_flops
+
+    cfg = tiny_cfg()
+    model = RNNT(cfg)
+    b, t, u = 3, 9, 4
+    x = torch.randn(t, b, cfg.in_feats, requires_grad=True)
+    y = torch.randint(0, cfg.n_classes - 1, (b, u))
+    with torch.backends.mkldnn.flags(enabled=False), FlopCounterMode(display=False) as counter:
+        f, _, g = model(x, torch.full((b,), t), y)
+        model.joint(f, g).sum().backward()
+    h, p = cfg.enc_n_hid, cfg.pred_n_hid
+    layers = [(h, cfg.enc_pre_rnn_layers + cfg.enc_post_rnn_layers), (p, cfg.pred_rnn_layers)]
+    no_initial_state_grad = sum(n * 2 * b * 4 * hid * hid for hid, n in layers)
+    assert counter.get_total_flops() == step_flops(cfg, b, t, u) - no_initial_state_grad
