@@ -65,9 +65,14 @@ class SpecAugment(nn.Module):
         if cfg.freq_masks and cfg.max_freq > n_freq:
             raise ValueError(f"spec_augment.max_freq {cfg.max_freq} > {n_freq} feature bins")
         b, dev = lens.shape[0], lens.device
-        f_width = cfg.min_freq + _uniform_int(
-            self._rand(b, cfg.freq_masks, device=dev),
-            torch.tensor(cfg.max_freq - cfg.min_freq + 1, device=dev),
+        # bounds stay Python ints: a tensor built from a host scalar would be a synchronizing
+        # host-to-device copy
+        f_width = torch.randint(
+            cfg.min_freq,
+            cfg.max_freq + 1,
+            (b, cfg.freq_masks),
+            generator=self.generator,
+            device=dev,
         )
         f_start = _uniform_int(self._rand(b, cfg.freq_masks, device=dev), n_freq - f_width + 1)
         lens = lens[:, None]
