@@ -170,6 +170,16 @@ class Lamb(torch.optim.Optimizer):
                         f"Lamb: parameter {pi} of group {gi} (shape {tuple(p.shape)}) has no "
                         "gradient; every optimized parameter needs one at each step"
                     )
+                if (
+                    flat.master is None
+                    and self._master_weights is None
+                    and p.dtype != torch.float32
+                ):
+                    raise RuntimeError(
+                        f"Lamb: parameter {pi} of group {gi} became {p.dtype} after the optimizer "
+                        "was built without master weights (its parameters were fp32 then); pass "
+                        "master_weights=True to keep fp32 masters across the cast"
+                    )
                 group_grads.append(p.grad)
             grads.append(flat.gather(group_grads, flat.grad))
 

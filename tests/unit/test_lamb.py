@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from rnnt.optim.lamb import Lamb
 
@@ -142,6 +143,30 @@ def test_low_precision_params_with_master_weights_track_fp32(dtype):
         assert torch.equal(p.detach(), m.to(dtype))
         torch.testing.assert_close(m, ref.detach(), atol=1e-7, rtol=0)
         assert not torch.equal(p.detach(), w0)  # the cast-back weights moved
+
+
+def test_built_before_the_cast_keeps_fp32_initial_masters():
+    weights, grad_steps = make_case(6, steps=2)
+    weights = [w + 1e-4 for w in weights]  # values fp16 cannot hold exactly
+    model = nn.ParameterList([nn.Parameter(w.clone()) for w in weights])
+    opt = Lamb(model.parameters(), lr=0.01, master_weights=True)
+    model.to(torch.float16)  # same Parameter objects, new fp16 storage
+    for grads in grad_steps:
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.half()
+        opt.step()
+    ref, _ = run_lamb(weights, grad_steps, lr=0.01)
+    for m, p, r in zip(opt.master_params(), model.parameters(), ref):
+        torch.testing.assert_close(m, r.detach(), atol=1e-7, rtol=0)
+        assert p.dtype == torch.float16 and torch.equal(p.detach(), m.half())
+
+    auto = nn.ParameterList([nn.Parameter(w.clone()) for w in weights])
+    opt = Lamb(auto.parameters(), lr=0.01)  # fp32 now: no masters
+    auto.to(torch.float16)
+    for p, g in zip(auto.parameters(), grad_steps[0]):
+        p.grad = g.half()
+    with pytest.raises(RuntimeError, match="master_weights=True"):
+        opt.step()
 
 
 def _scaled_grads(params, grads, scale):
