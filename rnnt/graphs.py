@@ -8,10 +8,11 @@ graph is replayed, and the outputs are sliced back to the batch's own lengths. T
 loss, the scaler, the optimizer and the EMA stay eager.
 
 Why padding is exact: every RNN here is unidirectional, so frames appended at the end never
-change earlier outputs; `StackTime` pairs frame 2t with 2t+1, and the eager model zero-pads an
-odd tail, which is why the padding written here is zeros. Padded positions get zero output
-gradient, so they add nothing to the weight gradients (and the zeros keep 0 * garbage from
-turning into NaN).
+change earlier outputs. The one place where the tail reaches back is stack-time with an odd T:
+the eager model pairs the last pre-RNN frame with a zero frame, so the graphed encoder takes a
+0/1 frame mask and zeroes its pre-RNN output past T (see `_EncodeSegment`). Padded positions
+get zero output gradient, so they add nothing to the weight gradients; the padding itself is
+zeros (labels: blank), so no 0 * garbage can turn into NaN.
 
 Decisions (documented contract):
 * Batches longer than the largest bucket raise `SequenceTooLongError`: the buckets are sized
