@@ -54,7 +54,7 @@ def train_tokenizer(texts: Iterable[str], model_prefix: str | Path, vocab_size: 
                 f"cannot train a {vocab_size}-piece tokenizer at {model_prefix} on "
                 f"{lines} transcripts: {reason}"
             ) from None
-    return model_prefix.with_suffix(".model")
+    return Path(f"{model_prefix}.model")  # not with_suffix: prefixes may contain dots
 
 
 class Tokenizer:
