@@ -40,6 +40,9 @@ class MLPerfLogger:
             logger = logging.getLogger(f"rnnt.mlperf.{path}")
             logger.propagate = False
             logger.setLevel(logging.INFO)
+            for stale in list(logger.handlers):  # a logger of this file left open earlier
+                stale.close()
+                logger.removeHandler(stale)
             self._handler = logging.FileHandler(path)
             logger.addHandler(self._handler)
             self._ml = MLLogger(logger=logger, default_stack_offset=_STACK_OFFSET)

@@ -93,6 +93,13 @@ def test_other_ranks_and_no_path_write_nothing(tmp_path):
     write_run(None)  # no file anywhere, no error
 
 
+def test_reopening_a_log_does_not_duplicate_lines(tmp_path):
+    path = str(tmp_path / "x.log")
+    MLPerfLogger(path, 0).init_start()  # never closed
+    MLPerfLogger(path, 0).init_stop()
+    assert [r["key"] for r in records(tmp_path / "x.log")] == ["init_start", "init_stop"]
+
+
 def test_run_stop_status_is_checked(tmp_path):
     ml = MLPerfLogger(str(tmp_path / "x.log"), 0)
     with pytest.raises(ValueError, match="success"):
