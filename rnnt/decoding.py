@@ -402,7 +402,7 @@ class GreedyDecoder:
 
     def _build(self, f: torch.Tensor, frames: int) -> None:
         """(Re)allocate the static buffers for `frames` frames and capture the graph body."""
-        frames = -(-frames // FRAME_ROUNDING) * FRAME_ROUNDING
+        frames = max(-(-frames // FRAME_ROUNDING), 1) * FRAME_ROUNDING
         self._graph = self._replay = self._static = None
         device = f.device
         buf = torch.zeros((self.batch_size, frames, f.shape[2]), dtype=f.dtype, device=device)
