@@ -32,6 +32,13 @@ from rnnt.data.features import (
     window_samples,
 )
 
+# DALI keeps a float32 running sum of squares over the trim window and recomputes it every
+# reset_interval samples (a multiple of the window). With its default (8192) the rounding
+# error of a loud passage lingers: quiet windows after it read about -65 dB instead of less,
+# and the kept region ran up to 8192 samples past what exact sums give. The smallest allowed
+# interval (one window, one extra add per sample) bounds that to 2048 samples.
+TRIM_RESET_INTERVAL = TRIM_WINDOW
+
 try:
     from nvidia.dali import fn, pipeline_def, types
 
@@ -97,7 +104,10 @@ def build_pipeline(
             if device == "gpu":
                 audio = audio.gpu()
         begin, length = fn.nonsilent_region(
-            audio, cutoff_db=cfg.silence_threshold_db, window_length=TRIM_WINDOW
+            audio,
+            cutoff_db=cfg.silence_threshold_db,
+            window_length=TRIM_WINDOW,
+            reset_interval=TRIM_RESET_INTERVAL,
         )
         audio = fn.slice(audio, begin, length, axes=[0])
         if cfg.dither > 0:

@@ -228,6 +228,8 @@ class TorchFeatureLoader:
             pin_memory=device.type == "cuda",
             worker_init_fn=_one_thread if workers else None,
             persistent_workers=workers > 0,
+            # fork would copy DALI's or CUDA's threads half-way: fresh worker processes
+            multiprocessing_context="forkserver" if workers else None,
         )
 
     @property

@@ -1,0 +1,227 @@
+"""DALI pipeline against the torch-native front end (the reference) and librosa.
+
+Audio: espeak-ng utterances from the synthetic corpus generator, and "recorded-like" versions
+of espeak-ng speech (sox: room reverb, high-pass, 16-bit) with noise, since this machine has no
+real recordings.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import threading
+
+import librosa
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from rnnt.config import Config
+from rnnt.data.dali import TRIM_RESET_INTERVAL
+from rnnt.data.features import AudioFileError, FeatureExtractor, read_audio, trim_silence
+from rnnt.data.loader import build_loader
+from rnnt.data.manifest import Utterance
+from rnnt.data.synthetic_corpus import plan_split, synthesize
+
+dali = pytest.importorskip("nvidia.dali")
+from nvidia.dali import fn, pipeline_def, types  # noqa: E402
+
+
+def _run_ops(inputs: list[np.ndarray], graph, layout: str = ""):
+    @pipeline_def(batch_size=len(inputs), num_threads=1, device_id=None)
+    def pipe():
+        x = fn.external_source(
+            source=lambda: inputs, batch=True, dtype=types.FLOAT, layout=layout or None
+        )
+        return graph(x)
+
+    p = pipe()
+    p.build()
+    outs = p.run()
+    return [[np.array(o[i]) for i in range(len(inputs))] for o in outs]
+
+
+def _recorded_like(path, text: str, seed: int, gated: bool) -> None:
+    raw = path.with_suffix(".raw.wav")
+    subprocess.run(["espeak-ng", "-s", "150", "-w", str(raw), text], check=True)
+    room = path.with_suffix(".room.wav")
+    subprocess.run(
+        ["sox", str(raw), "-r", "16000", "-b", "16", str(room), "highpass", "90", "reverb", "40"]
+        + ["pad", "0.4", "0.6"],
+        check=True,
+    )
+    audio, rate = sf.read(room, dtype="float32")
+    rng = np.random.default_rng(seed)
+    hum = 0.002 * np.sin(2 * np.pi * 50 * np.arange(len(audio)) / rate)
+    noise = np.convolve(rng.standard_normal(len(audio)), np.ones(8) / 8, mode="same") * 0.003
+    audio = np.clip(audio + hum + noise, -1, 1)
+    if gated:  # digital silence around the take, as a noise gate leaves it: trimmed
+        audio = np.concatenate([np.zeros(rate // 2), audio, np.zeros(rate * 7 // 10)])
+    sf.write(path, audio, rate, subtype="PCM_16")
+
+
+def _ids(text: str) -> list[int]:
+    """Stand-in token ids (one per letter): the pipeline only carries them."""
+    return [ord(c) - ord("a") + 1 for c in text if c.isalpha()]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[Utterance]:
+    root = tmp_path_factory.mktemp("dali_corpus")
+    utts = []
+    for plan in plan_split("sentences", "dev", 3, seed=11):
+        n = synthesize(plan, root)
+        path = str(root / plan.relative_audio)
+        utts.append(Utterance(plan.utt_id, path, n / 16000, plan.text, _ids(plan.text)))
+    for i, text in enumerate(["she sells sea shells by the sea shore", "good morning"]):
+        path = root / f"recorded-{i}.flac"
+        _recorded_like(path, text, seed=i, gated=i == 1)
+        utts.append(Utterance(f"rec-{i}", str(path), sf.info(path).duration, text, _ids(text)))
+    return utts
+
+
+def _cfg(backend: str, **features) -> Config:
+    cfg = Config()
+    cfg.data.backend = backend
+    cfg.data.device = "cpu"
+    # DALI: one thread; torch: no worker processes (their start-up dominates tiny tests)
+    cfg.data.num_threads = 1 if backend == "dali" else 0
+    cfg.eval.batch_size = 3
+    cfg.training.batch_size = 2
+    for key, value in features.items():
+        setattr(cfg.features, key, value)
+    return cfg
+
+
+def _by_utt(loader) -> dict[str, np.ndarray]:
+    out = {}
+    for batch in loader:
+        for row, utt_id in enumerate(batch.utt_ids):
+            out[utt_id] = batch.feats[row, :, : int(batch.feat_lens[row])].numpy()
+            assert torch.all(batch.feats[row, :, int(batch.feat_lens[row]) :] == 0)
+    return out
+
+
+def test_mel_filter_bank_matches_librosa():
+    (mel,) = _run_ops(
+        [np.eye(257, dtype=np.float32)],
+        lambda x: fn.mel_filter_bank(
+            x, sample_rate=16000, nfilter=80, normalize=True, mel_formula="slaney", freq_high=8000
+        ),
+        layout="ft",
+    )
+    ref = librosa.filters.mel(sr=16000, n_fft=512, n_mels=80)
+    np.testing.assert_allclose(mel[0], ref, atol=1e-6)
+
+
+def test_nonsilent_region_equals_torch_trim():
+    rng = np.random.default_rng(0)
+    rows = []
+    for n, lo, hi in [(20000, 6000, 11000), (9001, 0, 4000), (1800, 200, 900), (30000, 100, 29000)]:
+        x = (rng.standard_normal(n) * 1e-4).astype(np.float32)
+        x[lo:hi] += rng.standard_normal(hi - lo).astype(np.float32) * 0.2
+        rows.append(x)
+    begin, length = _run_ops(
+        rows,
+        lambda x: tuple(fn.nonsilent_region(x, cutoff_db=-60, reset_interval=TRIM_RESET_INTERVAL)),
+    )
+    lens = torch.tensor([len(r) for r in rows])
+    wave = torch.zeros(len(rows), int(lens.max()))
+    for i, r in enumerate(rows):
+        wave[i, : len(r)] = torch.from_numpy(r)
+    trimmed, new_lens = trim_silence(wave, lens, -60.0)
+    assert [int(v) for v in length] == new_lens.tolist()
+    for i, r in enumerate(rows):
+        b = int(begin[i])
+        assert torch.equal(
+            trimmed[i, : int(new_lens[i])], torch.from_numpy(r[b : b + int(length[i])])
+        )
+
+
+def test_dali_cpu_matches_torch_features(corpus):
+    dali_feats = _by_utt(build_loader(_cfg("dali", dither=0.0), corpus, train=False))
+    torch_feats = _by_utt(build_loader(_cfg("torch", dither=0.0), corpus, train=False))
+    assert sorted(dali_feats) == sorted(u.utt_id for u in corpus)
+    for utt in corpus:
+        d, t = dali_feats[utt.utt_id], torch_feats[utt.utt_id]
+        assert d.shape == t.shape and d.shape[0] == 80
+        np.testing.assert_allclose(d, t, atol=1e-3, err_msg=utt.utt_id)
+    # the same maths as the one-shot extractor on the decoded file
+    samples, _ = read_audio(corpus[-1].audio)
+    wave = torch.from_numpy(samples)[None]
+    ref, ref_len = FeatureExtractor(_cfg("torch", dither=0.0).features, train=False)(
+        wave, torch.tensor([wave.shape[1]])
+    )
+    np.testing.assert_allclose(torch_feats["rec-1"], ref[0, :, : int(ref_len[0])].numpy())
+    # its gated silence was trimmed, so the parity above covers the trim too
+    assert torch_feats["rec-1"].shape[1] < 1 + len(samples) // 160 - 50
+
+
+def test_speed_perturbation_is_seeded_and_in_range(corpus):
+    def lengths(seed: int, epoch: int) -> dict[str, int]:
+        cfg = _cfg("dali", dither=1e-5)
+        cfg.training.seed = seed
+        loader = build_loader(cfg, corpus[:4], train=True)
+        loader.set_epoch(epoch)
+        return {u: int(n) for b in loader for u, n in zip(b.utt_ids, b.feat_lens)}
+
+    plain = _by_utt(build_loader(_cfg("dali", dither=0.0), corpus[:4], train=False))
+    first = lengths(1, 0)
+    assert first == lengths(1, 0)
+    assert first != lengths(1, 1)
+    for utt_id, frames in first.items():
+        # trimmed length / speed, for speed in [0.85, 1.15] (plus rounding of frames)
+        unperturbed = plain[utt_id].shape[1]
+        assert unperturbed / 1.15 - 2 <= frames <= unperturbed / 0.85 + 2
+
+
+def _first_batch_error(cfg: Config, utts: list[Utterance]) -> BaseException | None:
+    """Iterate in a thread with a deadline: a hang fails the test instead of blocking CI."""
+    box: list[BaseException] = []
+
+    def run():
+        try:
+            for _ in build_loader(cfg, utts, train=False):
+                pass
+        except BaseException as err:  # noqa: BLE001 - handed to the test thread
+            box.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the pipeline hung on a bad file"
+    return box[0] if box else None
+
+
+def test_missing_and_corrupt_files_are_named(corpus, tmp_path):
+    good = corpus[:2]
+    missing = Utterance("gone", str(tmp_path / "gone.flac"), 1.0, "gone")
+    err = _first_batch_error(_cfg("dali"), [*good, missing])
+    assert isinstance(err, AudioFileError) and "gone.flac: audio file not found" in str(err)
+
+    corrupt_path = tmp_path / "corrupt.flac"
+    corrupt_path.write_bytes(b"fLaC" + np.random.default_rng(0).bytes(4000))
+    corrupt = Utterance("corrupt", str(corrupt_path), 1.0, "corrupt")
+    err = _first_batch_error(_cfg("dali"), [*good, corrupt])
+    assert isinstance(err, AudioFileError) and "corrupt.flac" in str(err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resampling_device", ["cpu", "gpu"])
+def test_dali_gpu_matches_cpu(corpus, resampling_device):
+    cfg = _cfg("dali", dither=0.0)
+    cpu = _by_utt(build_loader(cfg, corpus, train=False))
+    cfg.data.device = "gpu"
+    cfg.data.resampling_device = resampling_device
+    gpu_loader = build_loader(cfg, corpus, train=False, device="cuda")
+    batch = next(iter(gpu_loader))
+    assert batch.feats.is_cuda
+    gpu = {}
+    for batch in gpu_loader:
+        for row, utt_id in enumerate(batch.utt_ids):
+            gpu[utt_id] = batch.feats[row, :, : int(batch.feat_lens[row])].cpu().numpy()
+    for utt_id, ref in cpu.items():
+        assert gpu[utt_id].shape == ref.shape
+        assert math.isfinite(float(np.abs(gpu[utt_id]).max()))
+        np.testing.assert_allclose(gpu[utt_id], ref, atol=1e-3, err_msg=utt_id)
