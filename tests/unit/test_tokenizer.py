@@ -76,6 +76,13 @@ def test_digits_vocabulary_of_a_few_dozen(tmp_path):
         assert tok.decode(tok.encode(text)) == text
 
 
+def test_model_path_for_a_prefix_with_dots(tmp_path):
+    rng = np.random.default_rng(2)
+    texts = [digits_text(rng) for _ in range(300)]
+    model = train_tokenizer(texts, tmp_path / "digits.v1", vocab_size=20)
+    assert model == tmp_path / "digits.v1.model" and model.is_file()
+
+
 def test_missing_model_file(tmp_path):
     with pytest.raises(TokenizerError, match="not found"):
         Tokenizer(tmp_path / "absent.model")
