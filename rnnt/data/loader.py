@@ -44,7 +44,7 @@ from rnnt.data.features import (
 from rnnt.data.manifest import Utterance
 from rnnt.data.sampler import BucketingSampler, SequentialBatches
 
-BACKENDS = ("auto", "dali", "torch")
+BACKENDS = ("auto", "dali", "torch")  # "synthetic" reads no manifests: rnnt.data.synthetic
 
 
 def dali_available() -> bool:
@@ -54,6 +54,11 @@ def dali_available() -> bool:
 
 
 def resolve_backend(name: str) -> str:
+    if name == "synthetic":
+        raise ValueError(
+            "data.backend = synthetic has no manifest loader: build "
+            "rnnt.data.synthetic.SyntheticFeatureSource from the lengths tables instead"
+        )
     if name not in BACKENDS:
         raise ValueError(f"data.backend = {name!r}: expected one of {', '.join(BACKENDS)}")
     if name == "auto":
@@ -345,7 +350,7 @@ def build_loader(
 
     utts: manifest utterances (audio paths absolute, or relative to `dataset_dir`).
     sampler: training batches (lists of indices into utts); default: a BucketingSampler of
-    global batch training.batch_size * world_size. Evaluation ignores it.
+    global batch training.batch_size * grad_accumulation * world_size. Evaluation ignores it.
     device: where the batches are produced when data.device = gpu (torch backend) and where
     the DALI GPU pipeline runs.
     """
@@ -358,17 +363,19 @@ def build_loader(
         batches = SequentialBatches(durations, cfg.eval.batch_size, rank, world_size)
         max_batch = cfg.eval.batch_size
     else:
+        local_batch = cfg.training.batch_size * cfg.training.grad_accumulation
         if sampler is None:
             sampler = BucketingSampler(
                 durations,
-                cfg.training.batch_size * world_size,
+                local_batch * world_size,
                 cfg.data.num_buckets,
                 rank,
                 world_size,
                 cfg.training.seed,
             )
         batches = sampler
-        max_batch = cfg.training.batch_size
+        # a rank's share of a global batch: the micro-batches of one step together
+        max_batch = getattr(sampler, "local_batch_size", local_batch)
     assembler = BatchAssembler(utts, train, tokenizer)
     if backend == "torch":
         loader = TorchFeatureLoader(cfg, utts, dataset_dir, train, batches, rank, device, assembler)
