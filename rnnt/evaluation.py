@@ -1,0 +1,144 @@
+"""Greedy-decode a dataset and score it: shared by per-epoch evaluation and eval.py."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rnnt.config import Config, ConfigError
+from rnnt.data.augment import BatchTransform
+from rnnt.data.loader import build_loader
+from rnnt.data.manifest import Utterance, read_manifest
+from rnnt.data.tokenizer import Tokenizer
+from rnnt.decoding import GreedyDecoder
+from rnnt.distributed import DistContext, all_reduce_sum
+from rnnt.metrics import word_errors
+from rnnt.model import RNNT
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class EvalResult:
+    wer: float
+    errors: int
+    words: int
+    utterances: int
+    seconds: float
+    # this rank's hypotheses (utt_id, hypothesis, reference), in loader order
+    rows: list[tuple[str, str, str]] = field(default_factory=list)
+
+    @property
+    def utterances_per_second(self) -> float:
+        return self.utterances / max(self.seconds, 1e-9)
+
+
+@torch.no_grad()
+def evaluate(
+    decoder: GreedyDecoder,
+    loader,
+    transform: BatchTransform,
+    detokenize,
+    ctx: DistContext,
+) -> EvalResult:
+    """Decode every batch of `loader`; WER is summed over all ranks' shards.
+
+    detokenize: token ids -> text (the tokenizer's decode).
+    """
+    start = time.perf_counter()
+    rows: list[tuple[str, str, str]] = []
+    errors = words = 0
+    for batch in loader:
+        batch = transform(batch.to(ctx.device))
+        tokens = decoder(batch.feats, batch.feat_lens)
+        for utt_id, hyp_ids, ref in zip(batch.utt_ids, tokens, batch.transcripts):
+            hyp = detokenize(hyp_ids)
+            e, w = word_errors(hyp, ref)
+            errors += e
+            words += w
+            rows.append((utt_id, hyp, ref))
+    totals = all_reduce_sum(torch.tensor([errors, words, len(rows)], dtype=torch.float64), ctx)
+    errors, words, count = (int(v) for v in totals.tolist())
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    seconds = time.perf_counter() - start
+    return EvalResult(errors / max(words, 1), errors, words, count, seconds, rows)
+
+
+def build_decoder(cfg: Config, model: RNNT) -> GreedyDecoder:
+    return GreedyDecoder(
+        model,
+        blank_idx=model.blank_idx,
+        max_symbols_per_step=cfg.eval.max_symbols_per_step,
+        max_symbols_per_utterance=cfg.eval.max_symbols_per_utterance,
+        mode=cfg.eval.mode,
+        batch_size=cfg.eval.batch_size,
+        unroll_factor=cfg.eval.cg_unroll_factor,
+    )
+
+
+def build_eval_loader(cfg: Config, utts: list[Utterance], ctx: DistContext, tokenizer):
+    if not utts:
+        raise ConfigError(f"data.val_manifests {cfg.data.val_manifests}: no utterances")
+    return build_loader(
+        cfg, utts, cfg.data.dataset_dir, train=False, rank=ctx.rank,
+        world_size=ctx.world_size, device=ctx.device, tokenizer=tokenizer,
+    )  # fmt: skip
+
+
+def detokenizer(tokenizer: Tokenizer | None):
+    """Token ids -> text; without a tokenizer (synthetic data) the ids themselves."""
+    if tokenizer is not None:
+        return tokenizer.decode
+    return lambda ids: " ".join(str(i) for i in ids)
+
+
+@dataclass
+class EvalSetup:
+    cfg: Config
+    model: RNNT
+    decoder: GreedyDecoder
+    loader: object
+    transform: BatchTransform
+    tokenizer: Tokenizer | None
+
+
+def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str = "ema"):
+    """Build the eval model from `cfg`, load the checkpoint's EMA (or raw) weights into it."""
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    dtype = DTYPES[cfg.training.precision] if ctx.device.type == "cuda" else torch.float32
+    model = RNNT(cfg.model).to(ctx.device)
+    if weights == "ema":
+        saved = state["ema"]["weights"]
+        params = list(model.parameters())
+        if len(saved) != len(params) or any(a.shape != b.shape for a, b in zip(saved, params)):
+            raise ValueError(f"{path}: its EMA weights do not fit the model of this config")
+        with torch.no_grad():
+            for p, w in zip(params, saved):
+                p.copy_(w)
+    else:
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as err:
+            first = str(err).splitlines()[0]
+            raise ValueError(
+                f"{path}: weights do not fit the model of this config: {first}"
+            ) from None
+    model.to(dtype).eval()
+    tokenizer = Tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    utts: list[Utterance] = []
+    for manifest in cfg.data.val_manifests:
+        utts += read_manifest(manifest, cfg.data.dataset_dir)
+    loader = build_eval_loader(cfg, utts, ctx, tokenizer)
+    transform = BatchTransform(cfg.features, train=False, dtype=dtype)
+    return EvalSetup(cfg, model, build_decoder(cfg, model), loader, transform, tokenizer)
+
+
+def score(setup: EvalSetup, ctx: DistContext) -> EvalResult:
+    return evaluate(setup.decoder, setup.loader, setup.transform, detokenizer(setup.tokenizer), ctx)

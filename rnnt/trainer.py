@@ -1,0 +1,394 @@
+"""The training loop: data, model, LAMB, precision, EMA, evaluation, checkpoints, MLPerf log.
+
+`Trainer(cfg, ctx).fit()` trains until the dev WER reaches `training.target_wer` or the epochs
+run out. The step is sync-free: losses stay on the device and are read only at logging points,
+skipped (non-finite) steps are counted on the device and checked at the same points.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rnnt.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from rnnt.config import Config, ConfigError, to_dict
+from rnnt.data.augment import BatchTransform
+from rnnt.data.batch import FeatureBatch
+from rnnt.data.loader import build_loader
+from rnnt.data.manifest import read_manifest
+from rnnt.data.sampler import BucketingSampler
+from rnnt.data.tokenizer import Tokenizer
+from rnnt.distributed import DistContext, all_reduce_mean_
+from rnnt.evaluation import (
+    DTYPES,
+    EvalResult,
+    build_decoder,
+    build_eval_loader,
+    detokenizer,
+    evaluate,
+)
+from rnnt.loss import TransducerLoss
+from rnnt.mlperf import MLPerfLogger
+from rnnt.model import RNNT
+from rnnt.optim.ema import EMA
+from rnnt.optim.lamb import Lamb
+from rnnt.optim.schedule import lr_at
+from rnnt.run_log import RunLog
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+@dataclass
+class Progress:
+    epoch: int = 1  # 1-based, as in the MLPerf log
+    step: int = 0  # optimizer steps taken (including skipped ones)
+    best_wer: float = math.inf
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ctx: DistContext, mlperf: MLPerfLogger | None = None):
+        self.cfg = cfg
+        self.ctx = ctx
+        tcfg = cfg.training
+        if tcfg.precision not in DTYPES:
+            raise ConfigError(
+                f"training.precision: '{tcfg.precision}' is not one of {list(DTYPES)}"
+            )
+        if tcfg.precision == "fp16" and ctx.device.type != "cuda":
+            raise ConfigError("training.precision: fp16 needs a CUDA device; use fp32 or bf16")
+        self.dtype = DTYPES[tcfg.precision]
+        self.out_dir = Path(tcfg.output_dir)
+        self.mlperf = mlperf or MLPerfLogger(None, ctx.rank)
+        self.log = RunLog(self.out_dir, is_main=ctx.is_main)
+        self.progress = Progress()
+        self.batches_done = 0  # batches trained in the current epoch
+        torch.manual_seed(tcfg.seed + ctx.rank)
+        if tcfg.deterministic:
+            torch.use_deterministic_algorithms(True)
+
+        self._build_data()
+        self._build_model()
+
+    # ---------------------------------------------------------------------------- building
+    def _build_data(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        dcfg = cfg.data
+        self.tokenizer = Tokenizer(dcfg.tokenizer) if dcfg.tokenizer else None
+        if self.tokenizer is not None and self.tokenizer.vocab_size + 1 != cfg.model.n_classes:
+            raise ConfigError(
+                f"model.n_classes={cfg.model.n_classes} but tokenizer {dcfg.tokenizer} has "
+                f"{self.tokenizer.vocab_size} pieces (n_classes must be pieces + 1 for blank)"
+            )
+        self.global_batch = (
+            cfg.training.batch_size * cfg.training.grad_accumulation * ctx.world_size
+        )
+        train_utts = []
+        for path in dcfg.train_manifests:
+            train_utts += read_manifest(path, dcfg.dataset_dir)
+        kept = [u for u in train_utts if u.duration <= dcfg.max_duration]
+        self.dropped_long = len(train_utts) - len(kept)
+        self.train_utts = kept
+        self.val_utts = []
+        for path in dcfg.val_manifests:
+            self.val_utts += read_manifest(path, dcfg.dataset_dir)
+        if not self.train_utts:
+            raise ConfigError(f"data.train_manifests {dcfg.train_manifests}: no utterances")
+        if len(self.train_utts) < self.global_batch:
+            raise ConfigError(
+                f"{len(self.train_utts)} training utterances cannot fill one global batch of "
+                f"{self.global_batch} (training.batch_size x grad_accumulation x world size)"
+            )
+        self.sampler = BucketingSampler(
+            [u.duration for u in self.train_utts],
+            global_batch_size=self.global_batch,
+            num_buckets=dcfg.num_buckets,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            seed=cfg.training.seed,
+        )
+        self.train_loader = build_loader(
+            cfg, self.train_utts, dcfg.dataset_dir, train=True, sampler=self.sampler,
+            rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
+            tokenizer=self.tokenizer,
+        )  # fmt: skip
+        self.val_loader = build_eval_loader(cfg, self.val_utts, ctx, self.tokenizer)
+        self.log.info(
+            f"data: {len(self.train_utts)} train utterances ({self.dropped_long} dropped longer "
+            f"than {dcfg.max_duration} s), {len(self.val_utts)} dev utterances, global batch "
+            f"{self.global_batch}, {len(self.sampler)} steps per epoch"
+        )
+
+    def _build_model(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        ocfg = cfg.optimizer
+        self.model = RNNT(cfg.model).to(ctx.device)
+        self._broadcast_parameters()  # no DDP wrapper: every rank starts from rank 0's weights
+        self.ema = EMA(self.model, ocfg.ema)
+        # Built on the fp32 initial weights, so the fp32 masters are exact, then cast.
+        self.optimizer = Lamb(
+            self.model.parameters(),
+            lr=ocfg.lr,
+            betas=(ocfg.beta1, ocfg.beta2),
+            eps=ocfg.eps,
+            weight_decay=ocfg.weight_decay,
+            max_grad_norm=ocfg.clip_norm,
+            master_weights=self.dtype != torch.float32,
+        )
+        self.model.to(self.dtype)
+        self.scaler = torch.amp.GradScaler(
+            ctx.device.type,
+            init_scale=cfg.training.init_loss_scale,
+            enabled=cfg.training.precision == "fp16",
+        )
+        self.loss_fn = TransducerLoss(cfg.loss.backend, self.model.blank_idx)
+        self.augment_generator = torch.Generator(device=ctx.device)
+        self.augment_generator.manual_seed(cfg.training.seed * 1000 + ctx.rank)
+        self.train_transform = BatchTransform(
+            cfg.features, train=True, dtype=self.dtype, generator=self.augment_generator
+        )
+        self.eval_transform = BatchTransform(cfg.features, train=False, dtype=self.dtype)
+        # Evaluation runs on a separate copy that receives the EMA weights in place, so graphs
+        # captured on it stay valid and the training weights are never swapped out.
+        self.eval_model = RNNT(cfg.model).to(ctx.device, self.dtype).eval()
+        self.decoder = build_decoder(cfg, self.eval_model)
+        self.checkpoints = CheckpointManager(
+            self.out_dir / "checkpoints", keep_last=cfg.training.keep_last_checkpoints
+        )
+        self.graphs = None
+        if cfg.training.num_cg > 0:
+            if ctx.device.type != "cuda":
+                raise ConfigError("training.num_cg > 0 needs a CUDA device (use num_cg 0 on CPU)")
+            from rnnt.graphs import TrainingGraphs
+
+            self.graphs = TrainingGraphs.for_config(
+                self.model, cfg, self.train_utts, self.tokenizer
+            )
+        # device-side counters, read only at logging points
+        self.skipped_total = torch.zeros((), dtype=torch.int64, device=ctx.device)
+        self.skipped_in_a_row = torch.zeros((), dtype=torch.int64, device=ctx.device)
+
+    def _broadcast_parameters(self) -> None:
+        if self.ctx.enabled:
+            import torch.distributed as dist
+
+            for p in self.model.parameters():
+                dist.broadcast(p.data, src=0)
+
+    # ---------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "ema": self.ema.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "progress": {
+                "epoch": self.progress.epoch,
+                "step": self.progress.step,
+                "best_wer": self.progress.best_wer,
+            },
+            # the loader prefetches: record the batches actually trained, not those handed out
+            "sampler": self.sampler.state_dict(batches_done=self.batches_done),
+            "skipped_total": self.skipped_total.cpu(),
+            "skipped_in_a_row": self.skipped_in_a_row.cpu(),
+            "augment_rng": self.augment_generator.get_state(),
+            "rng": capture_rng_state(),
+            "config": to_dict(self.cfg),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.ema.load_state_dict(state["ema"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        p = state["progress"]
+        self.progress = Progress(int(p["epoch"]), int(p["step"]), float(p["best_wer"]))
+        self.sampler.load_state_dict(state["sampler"])
+        self.batches_done = int(state["sampler"]["batches_done"])
+        self.skipped_total.copy_(state["skipped_total"])
+        self.skipped_in_a_row.copy_(state["skipped_in_a_row"])
+        self.augment_generator.set_state(state["augment_rng"])
+        restore_rng_state(state["rng"])
+
+    def resume(self) -> bool:
+        """Load the newest complete checkpoint of output_dir; False when there is none."""
+        loaded = self.checkpoints.load_latest(map_location=self.ctx.device)
+        if loaded is None:
+            return False
+        state, path = loaded
+        self.load_state_dict(state)
+        self.log.info(
+            f"resumed from {path} at epoch {self.progress.epoch}, step {self.progress.step}"
+        )
+        return True
+
+    def save(self, wer: float | None = None) -> Path | None:
+        if not self.ctx.is_main:
+            return None
+        return self.checkpoints.save(
+            self.state_dict(), epoch=self.progress.epoch, step=self.progress.step, wer=wer
+        )
+
+    # ---------------------------------------------------------------------------- training
+    def _forward_loss(self, batch: FeatureBatch) -> torch.Tensor:
+        mb = self.train_transform(batch.to(self.ctx.device))
+        if self.graphs is not None:
+            f, f_lens = self.graphs.encode(mb.feats, mb.feat_lens)
+            g = self.graphs.predict(mb.tokens)
+        else:
+            f, f_lens, g = self.model(mb.feats, mb.feat_lens, mb.tokens)
+        return self.loss_fn(self.model.joint, f, g, f_lens, mb.tokens, mb.token_lens)
+
+    def train_step(self, batch: FeatureBatch, lr: float) -> torch.Tensor:
+        """One optimizer step on this rank's share of a global batch; returns the mean loss
+        (a device tensor: no host sync here)."""
+        accum = self.cfg.training.grad_accumulation
+        micro = _split(batch, accum)
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        for mb in micro:
+            loss = self._forward_loss(mb)
+            self.scaler.scale(loss / accum).backward()
+            loss_sum += loss.detach().float()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        all_reduce_mean_(grads, self.ctx)
+        found_inf = self._nonfinite(grads, loss_sum)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step_if_finite(found_inf)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.ema.update(self.optimizer.master_params())
+        self.skipped_total += found_inf
+        self.skipped_in_a_row.mul_(found_inf).add_(found_inf)
+        return loss_sum / accum
+
+    @staticmethod
+    def _nonfinite(grads: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+        """1 when the loss or any gradient is inf/NaN (an int64 device scalar)."""
+        norms = torch._foreach_norm(grads)
+        total = torch.stack([n.float() for n in norms]).sum() + loss
+        return (~torch.isfinite(total)).to(torch.int64)
+
+    def _check_nonfinite(self) -> None:
+        limit = self.cfg.training.max_consecutive_nonfinite
+        in_a_row = int(self.skipped_in_a_row)
+        if in_a_row >= limit:
+            raise NonFiniteLossError(
+                f"step {self.progress.step}: {in_a_row} consecutive steps with a non-finite "
+                f"loss or gradient (limit training.max_consecutive_nonfinite={limit}); "
+                "the run stops"
+            )
+
+    def train_epoch(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        steps_per_epoch = len(self.sampler)
+        self.sampler.set_epoch(self.progress.epoch)
+        self.train_loader.set_epoch(self.progress.epoch)
+        log_every = cfg.training.log_frequency
+        window_start, window_utts = time.perf_counter(), 0
+        for batch in self.train_loader:
+            lr = lr_at(self.progress.step + 1, self.progress.epoch, steps_per_epoch, cfg.optimizer)
+            loss = self.train_step(batch, lr)
+            self.progress.step += 1
+            self.batches_done += 1
+            window_utts += len(batch) * ctx.world_size
+            if self.progress.step % log_every == 0:
+                elapsed = time.perf_counter() - window_start
+                self.log.step(
+                    step=self.progress.step,
+                    epoch=self.progress.epoch,
+                    loss=float(loss),
+                    lr=lr,
+                    utts_per_s=window_utts / max(elapsed, 1e-9),
+                    loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else 1.0,
+                    skipped_steps=int(self.skipped_total),
+                )
+                self._check_nonfinite()
+                window_start, window_utts = time.perf_counter(), 0
+            every = cfg.training.checkpoint_every_steps
+            if every and self.progress.step % every == 0:
+                self.save()
+        self._check_nonfinite()
+        self.batches_done = 0
+
+    def run_eval(self) -> EvalResult:
+        self.ema.copy_to(self.eval_model)
+        return evaluate(
+            self.decoder, self.val_loader, self.eval_transform, detokenizer(self.tokenizer),
+            self.ctx,
+        )  # fmt: skip
+
+    def fit(self) -> bool:
+        """Train to the target; returns True when the target WER was reached."""
+        cfg, ml = self.cfg, self.mlperf
+        ml.hyperparameters(
+            cfg,
+            global_batch_size=self.global_batch,
+            train_samples=len(self.train_utts),
+            eval_samples=len(self.val_utts),
+            grad_accumulation=cfg.training.grad_accumulation,
+        )
+        ml.init_stop()
+        ml.run_start()
+        reached = False
+        status = "aborted"
+        try:
+            while self.progress.epoch <= cfg.training.epochs:
+                epoch = self.progress.epoch
+                ml.block_start(epoch)
+                ml.epoch_start(epoch)
+                self.train_epoch()
+                ml.epoch_stop(epoch)
+                ml.eval_start(epoch)
+                result = self.run_eval()
+                ml.eval_accuracy(result.wer, epoch)
+                ml.eval_stop(epoch)
+                ml.block_stop(epoch)
+                self.log.eval(
+                    epoch=epoch,
+                    step=self.progress.step,
+                    wer=result.wer,
+                    utterances=result.utterances,
+                    seconds=result.seconds,
+                )
+                self.progress.best_wer = min(self.progress.best_wer, result.wer)
+                reached = result.wer <= cfg.training.target_wer
+                self.progress.epoch += 1
+                self.sampler.set_epoch(self.progress.epoch)
+                if reached or epoch % cfg.training.save_every_epochs == 0:
+                    self.save(result.wer)
+                if reached:
+                    break
+            status = "success" if reached else "aborted"
+        finally:
+            ml.run_stop(status)
+        return reached
+
+
+def _split(batch: FeatureBatch, parts: int) -> list[FeatureBatch]:
+    if parts == 1:
+        return [batch]
+    size = math.ceil(len(batch) / parts)
+    out = []
+    for i in range(0, len(batch), size):
+        sl = slice(i, i + size)
+        lens, tlens = batch.feat_lens[sl], batch.token_lens[sl]
+        out.append(
+            FeatureBatch(
+                batch.feats[sl],
+                lens,
+                batch.tokens[sl],
+                tlens,
+                batch.utt_ids[sl],
+                batch.transcripts[sl],
+            )
+        )
+    return out
