@@ -181,7 +181,7 @@ def prepare_part(
     state = dest / STATE_DIR
     state.mkdir(parents=True, exist_ok=True)
     extracted, verified = state / f"{part}.extracted", state / f"{part}.verified"
-    if extracted.exists():
+    if extracted.exists() and (dest / TOP_DIR / part).is_dir():
         return "already extracted"
     archive = dest / "downloads" / f"{part}.tar.gz"
     if not (verified.exists() and archive.exists()):

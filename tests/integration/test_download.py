@@ -8,6 +8,7 @@ import hashlib
 import http.server
 import io
 import re
+import shutil
 import subprocess
 import tarfile
 import threading
@@ -145,6 +146,10 @@ def test_downloads_verifies_extracts_and_skips_on_rerun(served, tmp_path):
     assert len(server.log) == 2
     assert main(_args(server, dest, md5, "--parts", "dev-clean", "test-clean")) == 0
     assert len(server.log) == 2  # both stages marked finished: no request at all
+    shutil.rmtree(dest / "LibriSpeech" / "dev-clean")  # a marker without its tree is stale
+    assert main(_args(server, dest, md5, "--parts", "dev-clean", "test-clean")) == 0
+    assert [name for name, _ in server.log[2:]] == ["dev-clean.tar.gz"]
+    assert (dest / "LibriSpeech" / "dev-clean").is_dir()
 
 
 def test_parts_picks_a_subset_and_keep_archives(served, tmp_path):
