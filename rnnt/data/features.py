@@ -9,8 +9,9 @@ fixed here, chosen so that DALI's operators can express it exactly:
   16 lobes (DALI's default quality), output sample n sits at input position
   (n + 0.5) * in_rate / out_rate - 0.5, output length ceil(len * out_rate / in_rate); taps
   outside the signal count as zero. Downsampling widens the kernel by in/out to low-pass.
-  It is not bit-exact with DALI's resampler (which reads a lookup table), so the backends
-  agree to the decibel, not to 1e-3, once perturbation is on; parity is defined without it.
+  It is not bit-exact with DALI's resampler (which reads a lookup table), nor with soxr,
+  which the torch loader's CPU workers use for speed (rnnt.data.loader), so backends agree
+  to the decibel, not to 1e-3, once perturbation is on; parity is defined without it.
 * Speed perturbation (train only): speed s ~ U[speed_perturbation_min, max] per utterance;
   the waveform is resampled to sample_rate / s and read back at sample_rate, so s > 1 is
   faster, shorter speech (out length ceil(len / s)).
