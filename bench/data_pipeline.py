@@ -58,6 +58,16 @@ def speak(text: str, path: Path, seed: int) -> None:
     converted.unlink()
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def time_backend(
     backend: str, threads: int, utts: list[Utterance], batch_size: int, epochs: int
 ) -> float:
@@ -116,12 +126,15 @@ def main() -> None:
                 )
     machine = {
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
-    print(f"{SECONDS:.0f} s utterances, training front end, batch {args.batch_size}")
+    print(
+        f"{SECONDS:.0f} s utterances, training front end, batch {args.batch_size}, "
+        f"{machine['cpu']} ({machine['cpu_count']} logical CPUs)"
+    )
     print(f"{'backend':8} {'threads':>7} {'utt/s':>8} {'utt/s/thread':>13}")
     for r in results:
         print(

@@ -83,7 +83,7 @@ def build_pipeline(
         device_id=device_id if device == "gpu" else None,
         seed=seed,
         prefetch_queue_depth=2,
-        exec_dynamic=False,
+        exec_dynamic=True,  # allows the GPU -> CPU copy of the audio for the trim region
     )
     def pipe():
         encoded, speed = fn.external_source(
@@ -94,17 +94,21 @@ def build_pipeline(
             dtype=[types.UINT8, types.FLOAT],
         )
         target_rate = cfg.sample_rate / speed  # evaluation feeds speed 1
+        # slice takes its region as CPU inputs, and DALI's GPU nonsilent_region runs on the
+        # CPU anyway: the region is computed from a CPU copy of the (resampled) audio
         if resampling_device == "gpu":
             audio, in_rate = fn.decoders.audio(encoded, downmix=True, dtype=types.FLOAT)
             audio = fn.audio_resample(audio.gpu(), in_rate=in_rate, out_rate=target_rate)
+            host_audio = audio.cpu()
         else:
             audio, _ = fn.decoders.audio(
                 encoded, downmix=True, dtype=types.FLOAT, sample_rate=target_rate
             )
+            host_audio = audio
             if device == "gpu":
                 audio = audio.gpu()
         begin, length = fn.nonsilent_region(
-            audio,
+            host_audio,
             cutoff_db=cfg.silence_threshold_db,
             window_length=TRIM_WINDOW,
             reset_interval=TRIM_RESET_INTERVAL,

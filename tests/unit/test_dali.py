@@ -159,17 +159,22 @@ def test_dali_cpu_matches_torch_features(corpus):
 
 
 def test_speed_perturbation_is_seeded_and_in_range(corpus):
-    def lengths(seed: int, epoch: int) -> dict[str, int]:
+    def loader():
         cfg = _cfg("dali", dither=1e-5)
-        cfg.training.seed = seed
-        loader = build_loader(cfg, corpus[:4], train=True)
-        loader.set_epoch(epoch)
-        return {u: int(n) for b in loader for u, n in zip(b.utt_ids, b.feat_lens)}
+        cfg.training.seed = 1
+        return build_loader(cfg, corpus[:4], train=True)
 
+    def lengths(source, epoch: int) -> dict[str, int]:
+        source.set_epoch(epoch)
+        return {u: int(n) for b in source for u, n in zip(b.utt_ids, b.feat_lens)}
+
+    reused = loader()
+    first = lengths(reused, 0)
+    assert len(first) == 4
+    assert first != lengths(reused, 1)
+    assert first == lengths(reused, 0)  # the pipeline restarts cleanly at each epoch
+    assert first == lengths(loader(), 0)
     plain = _by_utt(build_loader(_cfg("dali", dither=0.0), corpus[:4], train=False))
-    first = lengths(1, 0)
-    assert first == lengths(1, 0)
-    assert first != lengths(1, 1)
     for utt_id, frames in first.items():
         # trimmed length / speed, for speed in [0.85, 1.15] (plus rounding of frames)
         unperturbed = plain[utt_id].shape[1]
