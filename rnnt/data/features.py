@@ -143,7 +143,7 @@ def resample(
     return out * valid, out_lens
 
 
-def draw_speeds(cfg: FeaturesConfig, batch: int, generator: torch.Generator | None):
+def draw_speeds(cfg: FeaturesConfig, batch: int, generator: torch.Generator | None) -> torch.Tensor:
     """(B,) float64 speeds ~ U[speed_perturbation_min, speed_perturbation_max] on the CPU."""
     u = torch.rand(batch, generator=generator, dtype=torch.float64)
     lo, hi = cfg.speed_perturbation_min, cfg.speed_perturbation_max

@@ -10,12 +10,16 @@ batches of eval.batch_size (the last one partial). The loader forwards `set_epoc
 
 Torch backend, where the work happens:
 * data.device = cpu: `data.num_threads` worker processes each decode one utterance,
-  perturb its speed (train) and compute its features; the main process only pads.
+  perturb its speed (train), compute its features and pad the batch; the main process
+  only assembles tokens. Workers start by forkserver (fork would copy DALI's and CUDA's
+  threads half-way), so scripts that build a loader need the `if __name__ == "__main__"`
+  guard.
 * data.device = gpu: workers decode (and perturb the speed when data.resampling_device is
   cpu); the main process pads the raw audio and computes the features of the whole batch in
-  one sync-free pass on `device`. On the 16-core GPU machine this is the faster choice: the
-  STFT of a whole batch is a few milliseconds of GPU time, while the CPU path costs about a
-  core-second per 12 s utterance (see bench/data_pipeline.py).
+  one sync-free pass on `device`. This is the choice for the GPU machine: the CPU path runs
+  about 50 twelve-second utterances per second per core (bench/data_pipeline.py, AMD EPYC),
+  so 16 cores give some 800 utterances/s, below the ~1,740/s one H100 trains on, while the
+  batched STFT is a small fraction of a training step on the GPU.
 Resampling on the CPU (files not at features.sample_rate, and speed perturbation when
 data.resampling_device is cpu) uses soxr's HQ resampler in the workers: it is about 500 times
 faster than the torch windowed-sinc resampler of rnnt.data.features, which serves the
