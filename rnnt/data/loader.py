@@ -240,6 +240,9 @@ class TorchFeatureLoader:
             persistent_workers=workers > 0,
             # fork would copy DALI's or CUDA's threads half-way: fresh worker processes
             multiprocessing_context="forkserver" if workers else None,
+            # Every DataLoader iterator draws a base seed; from a private generator, so starting
+            # an epoch never advances the global RNG (dropout) and resumes stay exact.
+            generator=torch.Generator().manual_seed(derive_seed(cfg.training.seed, rank)),
         )
 
     @property

@@ -1,0 +1,171 @@
+"""The training loop on a small real espeak-ng corpus: exact resume, checkpoint fall-back,
+non-finite steps. Everything runs through the real data path (FLAC -> features -> model)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from rnnt.checkpoint import CheckpointError
+from rnnt.config import load_config
+from rnnt.data.manifest import build_manifest, tokenize, write_manifest
+from rnnt.data.synthetic_corpus import build_corpus
+from rnnt.data.tokenizer import Tokenizer, train_tokenizer
+from rnnt.distributed import DistContext
+from rnnt.run_log import read_metrics
+from rnnt.trainer import NonFiniteLossError, Trainer
+
+CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("digits")
+    build_corpus(root, "digits", train=48, dev=12, seed=3, workers=2, progress=False)
+    train, _ = build_manifest(root, ["train"], max_duration=16.7)
+    dev, _ = build_manifest(root, ["dev"])
+    model = train_tokenizer([u.transcript for u in train], root / "tok", 20)
+    tok = Tokenizer(model)
+    write_manifest(root / "train.jsonl", tokenize(train, tok))
+    write_manifest(root / "dev.jsonl", tokenize(dev, tok))
+    return {"root": root, "tokenizer": model}
+
+
+def make_cfg(corpus: dict, out: Path, *extra: str):
+    root = corpus["root"]
+    return load_config(
+        Path(__file__).parents[2] / "configs/tiny.yaml",
+        [
+            f"data.dataset_dir={root}",
+            f"data.train_manifests=[{root / 'train.jsonl'}]",
+            f"data.val_manifests=[{root / 'dev.jsonl'}]",
+            f"data.tokenizer={corpus['tokenizer']}",
+            "data.backend=torch",
+            "data.num_threads=0",
+            "data.num_buckets=2",
+            "model.n_classes=21",
+            "model.enc_n_hid=32",
+            "model.pred_n_hid=16",
+            "model.joint_n_hid=32",
+            "model.enc_dropout=0.1",
+            "model.joint_dropout=0.1",
+            "training.batch_size=8",
+            "training.epochs=2",
+            "training.log_frequency=1",
+            "training.checkpoint_every_steps=4",
+            "training.keep_last_checkpoints=100",
+            "training.deterministic=true",
+            f"training.output_dir={out}",
+            "eval.batch_size=6",
+            *extra,
+        ],
+    )
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {
+        r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"
+    }
+
+
+def test_resume_mid_epoch_continues_exactly(corpus, tmp_path):
+    full = tmp_path / "full"
+    trainer = Trainer(make_cfg(corpus, full), CPU)
+    steps_per_epoch = len(trainer.sampler)
+    assert steps_per_epoch == 6 and 4 % steps_per_epoch != 0  # the step-4 save is mid-epoch
+    trainer.fit()
+    reference = losses(full)
+    assert sorted(reference) == list(range(1, 13))
+    final = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    final_ema = [w.clone() for w in trainer.ema.weights]
+
+    resumed_dir = tmp_path / "resumed"
+    (resumed_dir / "checkpoints").mkdir(parents=True)
+    for name in ("ckpt_e1_s4.pt", "ckpt_e1_s4.json"):
+        shutil.copy(full / "checkpoints" / name, resumed_dir / "checkpoints" / name)
+    resumed = Trainer(make_cfg(corpus, resumed_dir), CPU)
+    assert resumed.resume()
+    assert (resumed.progress.epoch, resumed.progress.step, resumed.batches_done) == (1, 4, 4)
+    resumed.fit()
+    after = losses(resumed_dir)
+    assert sorted(after) == list(range(5, 13))
+    for step, loss in after.items():
+        assert loss == reference[step], f"step {step}: {loss} != {reference[step]}"
+    for key, value in resumed.model.state_dict().items():
+        assert torch.equal(value, final[key]), key
+    for a, b in zip(resumed.ema.weights, final_ema):
+        assert torch.equal(a, b)
+
+
+def test_truncated_newest_checkpoint_falls_back_loudly(corpus, tmp_path, caplog):
+    out = tmp_path / "run"
+    cfg = make_cfg(corpus, out, "training.epochs=1")
+    Trainer(cfg, CPU).fit()
+    ckpts = sorted((out / "checkpoints").glob("*.pt"), key=lambda p: p.stat().st_mtime)
+    newest = ckpts[-1]
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])  # a save killed half-way
+    trainer = Trainer(cfg, CPU)
+    with caplog.at_level(logging.ERROR):
+        assert trainer.resume()
+    assert any(newest.name in rec.getMessage() for rec in caplog.records)
+    assert trainer.progress.step == 4  # the previous (mid-epoch) checkpoint
+    for path in ckpts[:-1]:
+        path.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="refusing to start from scratch"):
+        Trainer(cfg, CPU).resume()
+
+
+def test_inf_gradient_skips_the_step_and_is_counted(corpus, tmp_path):
+    trainer = Trainer(make_cfg(corpus, tmp_path / "run"), CPU)
+    batch = next(iter(trainer.train_loader))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    masters = [m.clone() for m in trainer.optimizer.master_params()]
+    poisoned = next(trainer.model.joint.parameters())
+    handle = poisoned.register_hook(lambda g: torch.full_like(g, math.inf))
+    trainer.train_step(batch, lr=0.01)
+    handle.remove()
+    assert int(trainer.skipped_total) == 1 and int(trainer.skipped_in_a_row) == 1
+    for a, b in zip(before, trainer.model.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(masters, trainer.optimizer.master_params()):
+        assert torch.equal(a, b)
+    trainer.train_step(batch, lr=0.01)  # a finite step moves the weights and resets the run
+    assert int(trainer.skipped_total) == 1 and int(trainer.skipped_in_a_row) == 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_repeated_nan_losses_stop_the_run_naming_the_step(corpus, tmp_path):
+    trainer = Trainer(
+        make_cfg(corpus, tmp_path / "run", "training.max_consecutive_nonfinite=3"), CPU
+    )
+    real_loss = trainer.loss_fn
+    trainer.loss_fn = lambda *args: real_loss(*args) * math.nan
+    with pytest.raises(NonFiniteLossError, match=r"step 3: 3 consecutive steps"):
+        trainer.fit()
+    assert int(trainer.skipped_total) == 3
+
+
+@pytest.mark.gpu
+def test_fp16_overflow_lowers_the_scale_and_skips(corpus, tmp_path):
+    from rnnt.distributed import init_distributed
+
+    trainer = Trainer(
+        make_cfg(corpus, tmp_path / "run", "training.precision=fp16"), init_distributed("cuda")
+    )
+    batch = next(iter(trainer.train_loader))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    handle = next(trainer.model.joint.parameters()).register_hook(
+        lambda g: torch.full_like(g, math.inf)
+    )
+    trainer.train_step(batch, lr=0.01)
+    handle.remove()
+    assert trainer.scaler.get_scale() == 256.0  # 512 halved
+    assert int(trainer.skipped_total) == 1
+    for a, b in zip(before, trainer.model.parameters()):
+        assert torch.equal(a, b)
