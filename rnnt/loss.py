@@ -9,7 +9,9 @@ T_b x (U_b+1) lattice (Graves 2012). Each backend is called with the joint *inpu
 logits. Backends:
 
     reference   Joint(f, g), then `rnnt_loss_reference` in float32 (float64 stays float64).
-    torchaudio  Joint(f, g), then torchaudio.functional.rnnt_loss (needs torchaudio).
+    torchaudio  Joint(f, g), then torchaudio.functional.rnnt_loss (needs torchaudio). Its CUDA
+                kernel returned 0 for utterances with T = 1 or U = 0 in our tests (torchaudio
+                2.11), where its CPU kernel and the reference agree: avoid it for such data.
     fused       Triton joint+loss of `rnnt.kernels` (needs a CUDA device and Triton).
     apex        apex.contrib.transducer TransducerJoint (packed, ReLU + dropout) + fc +
                 TransducerLoss (packed input); needs apex built with its transducer extension.

@@ -18,7 +18,7 @@ Passes (all tiles are BT frames x BU label states = M lattice rows, fp32 accumul
        The transition posteriors (occupancy, blank and label weights) follow elementwise in
        PyTorch; they are all the backward pass needs from the lattice.
     3. `_grad_fg_kernel`, grid (B, T-tiles): for each U-tile up to U_b, recompute the logits
-       tile by tile, form dlogits = occupancy * softmax - blank/label weights, accumulate
+       tile by tile, form dlogits = occupancy * softmax - blank/label posteriors, accumulate
        dh = dlogits @ W over V, mask it with relu' and dropout, and reduce it over u (df, kept
        in registers for the program's frames: no atomics) and over t (dg, one atomic add per
        tile and label state).
@@ -32,8 +32,9 @@ partials, nothing of size B T (U+1) V or B T (U+1) H. Compute: the logits GEMM i
 once in each backward pass (5 GEMMs of B T (U+1) x H x V in all, against 3 without
 recomputation).
 
-Dropout: the keep mask of element (b, t, u, k) is philox(seed + b, (t (U+1) + u) H + k) >= p,
-regenerated identically in every pass; `dropout_keep_mask` materialises it for tests.
+Dropout: element (b, t, u, k) is kept when 24 bits of an integer hash of (seed, b,
+(t (U+1) + u) H + k) are >= p * 2^24, regenerated identically in every pass;
+`dropout_keep_mask` materialises it for tests.
 Runs on CUDA tensors, and on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1).
 """
 
@@ -44,15 +45,21 @@ import triton
 import triton.language as tl
 
 _NEG = -1e30  # log(0) stand-in, as in rnnt.loss
+_KNEG = tl.constexpr(_NEG)  # the same, readable inside kernels
 
-# Tile sizes: (BT, BU, BN). M = BT * BU lattice rows per tile, BN classes per logits tile.
-FWD_TILE = (8, 8, 64)
-GRAD_FG_TILE = (4, 8, 64)
-GRAD_W_TILE = (8, 8, 32)
+# Launch configurations by element size of the inputs: per pass (BT, BU, BN, num_warps), with
+# M = BT * BU lattice rows and BN classes per logits tile. A tile keeps h (M x H) and a W tile
+# (BN x H) on chip whole, so fp32 gets smaller tiles; one pipeline stage keeps shared memory
+# within an H100/H200 SM at H = 512.
+TILES = {
+    2: {"fwd": (8, 16, 64, 8), "grad_fg": (4, 8, 64, 8), "grad_w": (4, 8, 64, 8)},
+    4: {"fwd": (4, 8, 32, 8), "grad_fg": (4, 4, 32, 8), "grad_w": (4, 8, 32, 8)},
+}
+NUM_STAGES = 1
 
 
 @triton.jit
-def _joint_rows(f_ptr, g_ptr, b, t, u, row_ok, k, k_ok, T, U1, H, seed, p_drop, scale,
+def _joint_rows(f_ptr, g_ptr, b, t, u, row_ok, k, k_ok, T, U1, H, seed, drop_thr, scale,
                 DROPOUT: tl.constexpr):  # fmt: skip
     """h (M, HP) and gate (M, HP) = d h / d(f + g) for lattice rows (b, t[m], u[m])."""
     mask = row_ok[:, None] & k_ok[None, :]
@@ -61,21 +68,34 @@ def _joint_rows(f_ptr, g_ptr, b, t, u, row_ok, k, k_ok, T, U1, H, seed, p_drop, 
     pre = fv.to(tl.float32) + gv.to(tl.float32)
     gate = tl.where(pre > 0.0, 1.0, 0.0)
     if DROPOUT:
-        keep = _keep(seed, b, t, u, k, U1, H, p_drop)
+        keep = _keep(seed, b, t, u, k, U1, H, drop_thr)
         gate = tl.where(keep, gate * scale, 0.0)
     return pre * gate, gate
 
 
 @triton.jit
-def _keep(seed, b, t, u, k, U1, H, p_drop):
-    return tl.rand(seed + b, (t * U1 + u)[:, None] * H + k[None, :]) >= p_drop
+def _mix(x):
+    # A 32-bit integer hash (multiply / xor-shift rounds): a counter-based generator that is
+    # several times cheaper than Philox, which matters because the backward passes regenerate
+    # the mask once per class tile.
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _keep(seed, b, t, u, k, U1, H, drop_thr):
+    """Keep mask (M, HP) of elements (b, t[m], u[m], k): 24 hash bits compared to p * 2^24."""
+    key = _mix((seed + b * 0x27D4EB2F).to(tl.uint32, bitcast=True))
+    idx = ((t * U1 + u)[:, None] * H + k[None, :]).to(tl.uint32, bitcast=True)
+    return (_mix(idx ^ key) >> 8).to(tl.int32) >= drop_thr
 
 
 @triton.jit
 def _forward_kernel(
     f_ptr, g_ptr, w_ptr, bias_ptr, tgt_ptr, flen_ptr, tlen_ptr,
     lse_ptr, blank_ptr, label_ptr,
-    T, U1, H, V, blank, seed, p_drop, scale, n_t_tiles,
+    T, U1, H, V, blank, seed, drop_thr, scale, n_t_tiles,
     BT: tl.constexpr, BU: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr,
     DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
@@ -92,11 +112,11 @@ def _forward_kernel(
         row_ok = (t < t_len) & (u <= u_len)
         k = tl.arange(0, HP)
         k_ok = k < H
-        h, _ = _joint_rows(f_ptr, g_ptr, b, t, u, row_ok, k, k_ok, T, U1, H, seed, p_drop,
+        h, _ = _joint_rows(f_ptr, g_ptr, b, t, u, row_ok, k, k_ok, T, U1, H, seed, drop_thr,
                            scale, DROPOUT)  # fmt: skip
         h = h.to(w_ptr.dtype.element_ty)
         label = tl.load(tgt_ptr + b * U1 + u, mask=row_ok, other=0)
-        run_max = tl.full((BT * BU,), _NEG, tl.float32)
+        run_max = tl.full((BT * BU,), _KNEG, tl.float32)
         run_sum = tl.zeros((BT * BU,), tl.float32)
         blank_logit = tl.zeros((BT * BU,), tl.float32)
         label_logit = tl.zeros((BT * BU,), tl.float32)
@@ -107,7 +127,7 @@ def _forward_kernel(
                         mask=c_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
             bias = tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
             s = tl.dot(h, tl.trans(w), input_precision=DOT_PREC) + bias[None, :]
-            s = tl.where(c_ok[None, :], s, _NEG)
+            s = tl.where(c_ok[None, :], s, _KNEG)
             new_max = tl.maximum(run_max, tl.max(s, axis=1))
             run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(
                 tl.exp(s - new_max[:, None]), axis=1
@@ -146,10 +166,10 @@ def _lattice_kernel(
         t = n - u
         ok = (t >= 0) & (t < t_len) & (u <= u_len)
         ok_stay = ok & (t >= 1)
-        stay = tl.load(alpha_ptr + base + (t - 1) * U1 + u, mask=ok_stay, other=_NEG)
+        stay = tl.load(alpha_ptr + base + (t - 1) * U1 + u, mask=ok_stay, other=_KNEG)
         stay += tl.load(lpb_ptr + base + (t - 1) * U1 + u, mask=ok_stay, other=0.0)
         ok_emit = ok & (u >= 1)
-        emit = tl.load(alpha_ptr + base + t * U1 + u - 1, mask=ok_emit, other=_NEG)
+        emit = tl.load(alpha_ptr + base + t * U1 + u - 1, mask=ok_emit, other=_KNEG)
         emit += tl.load(lpl_ptr + base + t * U1 + u - 1, mask=ok_emit, other=0.0)
         a = tl.where((t == 0) & (u == 0), 0.0, _logaddexp(stay, emit))
         tl.store(alpha_ptr + base + t * U1 + u, a, mask=ok)
@@ -160,10 +180,10 @@ def _lattice_kernel(
         ok = (t >= 0) & (t < t_len) & (u <= u_len)
         lpb = tl.load(lpb_ptr + base + t * U1 + u, mask=ok, other=0.0)
         # Leaving the lattice by the final blank has probability one from (T_b-1, U_b).
-        after = tl.where(u == u_len, 0.0, _NEG)
+        after = tl.where(u == u_len, 0.0, _KNEG)
         stay = tl.load(beta_ptr + base + (t + 1) * U1 + u, mask=ok & (t + 1 < t_len), other=after)
         ok_emit = ok & (u < u_len)
-        emit = tl.load(beta_ptr + base + t * U1 + u + 1, mask=ok_emit, other=_NEG)
+        emit = tl.load(beta_ptr + base + t * U1 + u + 1, mask=ok_emit, other=_KNEG)
         emit += tl.load(lpl_ptr + base + t * U1 + u, mask=ok_emit, other=0.0)
         tl.store(beta_ptr + base + t * U1 + u, _logaddexp(stay + lpb, emit), mask=ok)
         tl.debug_barrier()
@@ -185,8 +205,8 @@ def _dlogits(h, w, bias, cols, c_ok, row_ok, label, lse, occ, w_blank, w_label, 
 @triton.jit
 def _grad_fg_kernel(
     f_ptr, g_ptr, w_ptr, bias_ptr, tgt_ptr, flen_ptr, tlen_ptr,
-    lse_ptr, occ_ptr, wb_ptr, wl_ptr, df_ptr, dg_ptr,
-    T, U1, H, V, blank, seed, p_drop, scale, n_t_tiles,
+    lse_ptr, occ_ptr, wb_ptr, wl_ptr, go_ptr, df_ptr, dg_ptr,
+    T, U1, H, V, blank, seed, drop_thr, scale, n_t_tiles,
     BT: tl.constexpr, BU: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr,
     DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
@@ -195,6 +215,7 @@ def _grad_fg_kernel(
     t_len = tl.load(flen_ptr + b)
     u_len = tl.load(tlen_ptr + b)
     if t0 < t_len:
+        go = tl.load(go_ptr + b)
         m = tl.arange(0, BT * BU)
         k = tl.arange(0, HP)
         k_ok = k < H
@@ -204,7 +225,7 @@ def _grad_fg_kernel(
             u = u0 + m % BU
             row_ok = (t < t_len) & (u <= u_len)
             h, gate = _joint_rows(f_ptr, g_ptr, b, t, u, row_ok, k, k_ok, T, U1, H, seed,
-                                  p_drop, scale, DROPOUT)  # fmt: skip
+                                  drop_thr, scale, DROPOUT)  # fmt: skip
             h = h.to(w_ptr.dtype.element_ty)
             cell = (b * T + t) * U1 + u
             lse = tl.load(lse_ptr + cell, mask=row_ok, other=0.0)
@@ -225,18 +246,19 @@ def _grad_fg_kernel(
             dpre = tl.reshape(dh * gate, (BT, BU, HP))
             df += tl.sum(dpre, axis=1)
             uu = u0 + tl.arange(0, BU)
-            tl.atomic_add(dg_ptr + (b * U1 + uu)[:, None] * H + k[None, :], tl.sum(dpre, axis=0),
+            dg = tl.sum(dpre, axis=0) * go
+            tl.atomic_add(dg_ptr + (b * U1 + uu)[:, None] * H + k[None, :], dg,
                           mask=(uu <= u_len)[:, None] & k_ok[None, :])  # fmt: skip
         tt = t0 + tl.arange(0, BT)
-        tl.store(df_ptr + (b * T + tt)[:, None] * H + k[None, :], df,
+        tl.store(df_ptr + (b * T + tt)[:, None] * H + k[None, :], df * go,
                  mask=(tt < t_len)[:, None] & k_ok[None, :])  # fmt: skip
 
 
 @triton.jit
 def _grad_w_kernel(
     f_ptr, g_ptr, w_ptr, bias_ptr, tgt_ptr, flen_ptr, tlen_ptr,
-    lse_ptr, occ_ptr, wb_ptr, wl_ptr, dw_ptr, dbias_ptr,
-    T, U1, H, V, blank, seed, p_drop, scale, n_t_tiles, n_u_tiles, n_tiles, n_splits,
+    lse_ptr, occ_ptr, wb_ptr, wl_ptr, go_ptr, dw_ptr, dbias_ptr,
+    T, U1, H, V, blank, seed, drop_thr, scale, n_t_tiles, n_u_tiles, n_tiles, n_splits,
     BT: tl.constexpr, BU: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr,
     DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
@@ -263,7 +285,7 @@ def _grad_w_kernel(
             t = t0 + m // BU
             u = u0 + m % BU
             row_ok = (t < t_len) & (u <= u_len)
-            h, _ = _joint_rows(f_ptr, g_ptr, b, t, u, row_ok, k, k_ok, T, U1, H, seed, p_drop,
+            h, _ = _joint_rows(f_ptr, g_ptr, b, t, u, row_ok, k, k_ok, T, U1, H, seed, drop_thr,
                                scale, DROPOUT)  # fmt: skip
             h = h.to(w_ptr.dtype.element_ty)
             cell = (b * T + t) * U1 + u
@@ -274,20 +296,21 @@ def _grad_w_kernel(
             label = tl.load(tgt_ptr + b * U1 + u, mask=row_ok, other=0)
             d = _dlogits(h, w, bias, cols, c_ok, row_ok, label, lse, occ, w_blank, w_label,
                          blank, DOT_PREC)  # fmt: skip
-            dw += tl.dot(tl.trans(d.to(h.dtype)), h, input_precision=DOT_PREC)
-            dbias += tl.sum(d, axis=0)
+            go = tl.load(go_ptr + b)
+            dw += tl.dot(tl.trans(d.to(h.dtype)), h, input_precision=DOT_PREC) * go
+            dbias += tl.sum(d, axis=0) * go
     out = split * V + cols
     tl.store(dw_ptr + out[:, None] * H + k[None, :], dw, mask=c_ok[:, None] & k_ok[None, :])
     tl.store(dbias_ptr + out, dbias, mask=c_ok)
 
 
 @triton.jit
-def _keep_mask_kernel(out_ptr, seed, T, U1, H, p_drop, BU: tl.constexpr, HP: tl.constexpr):
+def _keep_mask_kernel(out_ptr, seed, T, U1, H, drop_thr, BU: tl.constexpr, HP: tl.constexpr):
     b = tl.program_id(0)
     t = tl.program_id(1)
     u = tl.program_id(2) * BU + tl.arange(0, BU)
     k = tl.arange(0, HP)
-    keep = _keep(seed, b, t + 0 * u, u, k, U1, H, p_drop)
+    keep = _keep(seed, b, t + 0 * u, u, k, U1, H, drop_thr)
     ok = (u < U1)[:, None] & (k < H)[None, :]
     tl.store(out_ptr + ((b * T + t) * U1 + u)[:, None] * H + k[None, :], keep.to(tl.int8), mask=ok)
 
@@ -305,11 +328,17 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _threshold(p: float) -> int:
+    return round(p * 2**24)
+
+
 def dropout_keep_mask(seed: int, b: int, t: int, u1: int, h: int, p: float, device) -> torch.Tensor:
     """The fused kernels' dropout keep mask, (B, T, U+1, H) bool, for tests and debugging."""
     out = torch.empty(b, t, u1, h, dtype=torch.int8, device=device)
     bu = 8
-    _keep_mask_kernel[(b, t, triton.cdiv(u1, bu))](out, seed, t, u1, h, p, BU=bu, HP=_hp(h))
+    _keep_mask_kernel[(b, t, triton.cdiv(u1, bu))](
+        out, seed, t, u1, h, _threshold(p), BU=bu, HP=_hp(h)
+    )
     return out.bool()
 
 
@@ -335,18 +364,21 @@ class _FusedJointLoss(torch.autograd.Function):
         tgt[:, : u1 - 1] = targets.clamp(0, v - 1)
         dropout = p_drop > 0.0
         scale = 1.0 / (1.0 - p_drop) if dropout else 1.0
+        drop_thr = _threshold(p_drop)
         prec = _dot_precision(weight.dtype)
         hp = _hp(hid)
 
         lse = torch.zeros(bsz, t_max, u1, dtype=torch.float32, device=dev)
         blank_logit = torch.zeros_like(lse)
         label_logit = torch.zeros_like(lse)
-        bt, bu, bn = FWD_TILE
+        tiles = TILES[weight.element_size()]
+        bt, bu, bn, warps = tiles["fwd"]
         n_t_tiles = triton.cdiv(t_max, bt)
         _forward_kernel[(bsz * n_t_tiles, triton.cdiv(u1, bu))](
             f, g, weight, bias, tgt, f_lens, target_lens, lse, blank_logit, label_logit,
-            t_max, u1, hid, v, blank, seed, p_drop, scale, n_t_tiles,
-            BT=bt, BU=bu, BN=bn, HP=hp, DROPOUT=dropout, DOT_PREC=prec, num_warps=8,
+            t_max, u1, hid, v, blank, seed, drop_thr, scale, n_t_tiles,
+            BT=bt, BU=bu, BN=bn, HP=hp, DROPOUT=dropout, DOT_PREC=prec,
+            num_warps=warps, num_stages=NUM_STAGES,
         )  # fmt: skip
         lp_blank = blank_logit - lse
         lp_label = label_logit - lse
@@ -359,33 +391,36 @@ class _FusedJointLoss(torch.autograd.Function):
         )  # fmt: skip
         ctx.save_for_backward(f, g, weight, bias, f_lens, target_lens, tgt, lse, lp_blank,
                               lp_label, alpha, beta, log_lik)  # fmt: skip
-        ctx.consts = (blank, p_drop, scale, seed, dropout, prec, hp)
+        ctx.consts = (blank, drop_thr, scale, seed, dropout, prec, hp)
         return -log_lik
 
     @staticmethod
     def backward(ctx, grad_nll):
         (f, g, weight, bias, f_lens, target_lens, tgt, lse, lp_blank, lp_label, alpha, beta,
          log_lik) = ctx.saved_tensors  # fmt: skip
-        blank, p_drop, scale, seed, dropout, prec, hp = ctx.consts
+        blank, drop_thr, scale, seed, dropout, prec, hp = ctx.consts
         bsz, t_max, hid = f.shape
         u1 = g.shape[1]
         v = weight.shape[0]
         occ, w_blank, w_label = _transition_weights(
-            alpha, beta, lp_blank, lp_label, log_lik, f_lens, target_lens, grad_nll.float()
+            alpha, beta, lp_blank, lp_label, log_lik, f_lens, target_lens
         )
-        args = (f, g, weight, bias, tgt, f_lens, target_lens, lse, occ, w_blank, w_label)
-        consts = (t_max, u1, hid, v, blank, seed, p_drop, scale)
+        go = grad_nll.float().contiguous()
+        args = (f, g, weight, bias, tgt, f_lens, target_lens, lse, occ, w_blank, w_label, go)
+        consts = (t_max, u1, hid, v, blank, seed, drop_thr, scale)
 
         df = torch.zeros(bsz, t_max, hid, dtype=torch.float32, device=f.device)
         dg = torch.zeros(bsz, u1, hid, dtype=torch.float32, device=f.device)
-        bt, bu, bn = GRAD_FG_TILE
+        tiles = TILES[weight.element_size()]
+        bt, bu, bn, warps = tiles["grad_fg"]
         n_t_tiles = triton.cdiv(t_max, bt)
         _grad_fg_kernel[(bsz, n_t_tiles)](
             *args, df, dg, *consts, n_t_tiles,
-            BT=bt, BU=bu, BN=bn, HP=hp, DROPOUT=dropout, DOT_PREC=prec, num_warps=8,
+            BT=bt, BU=bu, BN=bn, HP=hp, DROPOUT=dropout, DOT_PREC=prec,
+            num_warps=warps, num_stages=NUM_STAGES,
         )  # fmt: skip
 
-        bt, bu, bn = GRAD_W_TILE
+        bt, bu, bn, warps = tiles["grad_w"]
         n_t_tiles = triton.cdiv(t_max, bt)
         n_u_tiles = triton.cdiv(u1, bu)
         n_tiles = bsz * n_t_tiles * n_u_tiles
@@ -395,7 +430,8 @@ class _FusedJointLoss(torch.autograd.Function):
         dbias = torch.empty(splits, v, dtype=torch.float32, device=f.device)
         _grad_w_kernel[(n_v_tiles, splits)](
             *args, dw, dbias, *consts, n_t_tiles, n_u_tiles, n_tiles, splits,
-            BT=bt, BU=bu, BN=bn, HP=hp, DROPOUT=dropout, DOT_PREC=prec, num_warps=8,
+            BT=bt, BU=bu, BN=bn, HP=hp, DROPOUT=dropout, DOT_PREC=prec,
+            num_warps=warps, num_stages=NUM_STAGES,
         )  # fmt: skip
         return (
             df.to(f.dtype), dg.to(g.dtype), dw.sum(0).to(weight.dtype),
@@ -403,8 +439,11 @@ class _FusedJointLoss(torch.autograd.Function):
         )  # fmt: skip
 
 
-def _transition_weights(alpha, beta, lp_blank, lp_label, log_lik, f_lens, target_lens, grad):
-    """Posterior of each transition, scaled by d loss_b: (occupancy, blank, label), (B, T, U+1).
+def _transition_weights(alpha, beta, lp_blank, lp_label, log_lik, f_lens, target_lens):
+    """Posterior of each transition: (occupancy, blank, label), each (B, T, U+1) in [0, 1].
+
+    The kernels multiply by d loss_b only after their products, so fp16/bf16 operands never
+    hold posteriors shrunk by a 1/B mean into the subnormal range.
 
     d(-log P)/d lp_blank[t, u] = -exp(alpha[t, u] + lp_blank[t, u] + beta[t+1, u] - log P),
     with beta just past the last frame = 0 at u = U_b (the final blank) and log 0 elsewhere.
@@ -419,10 +458,8 @@ def _transition_weights(alpha, beta, lp_blank, lp_label, log_lik, f_lens, target
     beta_next_u = torch.nn.functional.pad(beta[:, :, 1:], (0, 1), value=_NEG)
     inside = (t < t_len) & (u <= u_len)
     ll = log_lik.view(-1, 1, 1)
-    scale = grad.view(-1, 1, 1)
-    w_blank = torch.where(inside, torch.exp(alpha + lp_blank + beta_next_t - ll), 0.0) * scale
+    w_blank = torch.where(inside, torch.exp(alpha + lp_blank + beta_next_t - ll), 0.0)
     w_label = torch.where(inside & (u < u_len), torch.exp(alpha + lp_label + beta_next_u - ll), 0.0)
-    w_label = w_label * scale
     return (w_blank + w_label).contiguous(), w_blank.contiguous(), w_label.contiguous()
 
 

@@ -1,0 +1,228 @@
+"""The fused Triton joint+loss against the plain-PyTorch joint and reference loss.
+
+Without CUDA the kernels run on CPU tensors under the Triton interpreter (tiny shapes); with
+CUDA the same cases run compiled, plus the gpu-marked evidence at MLPerf shapes.
+"""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # The interpreter is chosen when a kernel is decorated, so set it before the import and
+    # re-decorate if an earlier test already imported the module compiled.
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "rnnt.kernels.joint_loss" in sys.modules:
+        importlib.reload(sys.modules["rnnt.kernels.joint_loss"])
+
+pytest.importorskip("triton")
+from rnnt.kernels import joint_loss as jl  # noqa: E402
+from rnnt.loss import TransducerLoss, rnnt_loss_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_case(lens, u_max, hid, vocab, dtype=torch.float32, seed=0, device=DEVICE):
+    """Random joint inputs for utterances of (T_b, U_b) = lens, padding filled with garbage."""
+    gen = torch.Generator().manual_seed(seed)
+    bsz = len(lens)
+    t_max = max(t for t, _ in lens)
+    f = torch.randn(bsz, t_max, hid, generator=gen)
+    g = torch.randn(bsz, u_max + 1, hid, generator=gen)
+    weight = torch.randn(vocab, hid, generator=gen) / hid**0.5 * 3
+    bias = torch.randn(vocab, generator=gen)
+    targets = torch.randint(0, vocab - 1, (bsz, u_max), generator=gen)
+    for b, (t_len, u_len) in enumerate(lens):
+        f[b, t_len:] = 1e3  # garbage past the lengths must not leak into the loss
+        g[b, u_len + 1 :] = -1e3
+        targets[b, u_len:] = 10**6
+    f_lens = torch.tensor([t for t, _ in lens])
+    target_lens = torch.tensor([u for _, u in lens])
+    leaves = [x.to(device, dtype).requires_grad_(True) for x in (f, g, weight, bias)]
+    return leaves, f_lens.to(device), targets.to(device), target_lens.to(device)
+
+
+def reference(leaves, f_lens, targets, target_lens, keep=None, p=0.0):
+    """Per-utterance loss and grads (f, g, W, bias) of the plain joint + reference loss, fp32."""
+    f, g, weight, bias = (x.detach().float().requires_grad_(True) for x in leaves)
+    h = torch.relu(f.unsqueeze(2) + g.unsqueeze(1))
+    if keep is not None:
+        h = h * keep / (1 - p)
+    logits = h @ weight.T + bias
+    nll = rnnt_loss_reference(logits, targets, f_lens, target_lens, weight.shape[0] - 1)
+    grads = torch.autograd.grad(nll.mean(), (f, g, weight, bias))
+    return nll.detach(), grads
+
+
+def fused(leaves, f_lens, targets, target_lens, p=0.0, seed=0):
+    vocab = leaves[2].shape[0]
+    nll = jl.fused_joint_loss(*leaves, f_lens, targets, target_lens, vocab - 1, p, seed)
+    grads = torch.autograd.grad(nll.mean(), leaves)
+    return nll.detach(), grads
+
+
+def assert_rel(got, want, rel, what):
+    err = (got.float() - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= rel * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+def assert_matches(got, want, rel):
+    (nll, grads), (ref_nll, ref_grads) = got, want
+    assert torch.isfinite(nll).all()
+    assert_rel(nll, ref_nll, rel, "loss")
+    for name, a, b in zip(("f", "g", "W", "bias"), grads, ref_grads, strict=True):
+        assert torch.isfinite(a).all(), name
+        assert_rel(a, b, rel, f"grad {name}")
+
+
+CASES = {
+    # ragged batch, V not a multiple of the 64-class tile, H not a power of two
+    "ragged": dict(lens=[(5, 4), (3, 1), (4, 0)], u_max=4, hid=24, vocab=37),
+    # T = 1 and U = 0 / 1 side by side
+    "edges": dict(lens=[(1, 0), (1, 1), (2, 0)], u_max=1, hid=16, vocab=10),
+    # more than one class tile: the online log-sum-exp crosses tiles
+    "two_class_tiles": dict(lens=[(3, 2), (2, 3)], u_max=3, hid=32, vocab=70),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fused_matches_reference_without_dropout(name):
+    case = make_case(**CASES[name])
+    assert_matches(fused(*case), reference(*case), rel=1e-4)
+
+
+def test_fused_matches_reference_with_the_same_dropout_mask():
+    p, seed = 0.3, 1234
+    leaves, f_lens, targets, target_lens = case = make_case(**CASES["ragged"])
+    bsz, t_max, hid = leaves[0].shape
+    keep = jl.dropout_keep_mask(seed, bsz, t_max, leaves[1].shape[1], hid, p, DEVICE)
+    assert 0.5 < keep.float().mean().item() < 0.9  # about 1 - p of the units survive
+    got = fused(*case, p=p, seed=seed)
+    assert_matches(got, reference(*case, keep=keep, p=p), rel=1e-4)
+    # the mask is really used: without it the loss differs
+    assert (got[0] - reference(*case)[0]).abs().max() > 1e-3
+
+
+def test_dropout_is_reproducible_from_the_seed():
+    case = make_case(**CASES["edges"])
+    a = fused(*case, p=0.5, seed=3)[0]
+    b = fused(*case, p=0.5, seed=3)[0]
+    c = fused(*case, p=0.5, seed=4)[0]
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_transducer_loss_fused_backend_equals_reference_backend():
+    from rnnt.config import ModelConfig
+    from rnnt.model import Joint
+
+    torch.manual_seed(0)
+    (f, g, _, _), f_lens, targets, target_lens = make_case(**CASES["ragged"])
+    joint = Joint(ModelConfig(joint_n_hid=24, n_classes=37, joint_dropout=0.3)).to(DEVICE)
+    joint.eval()  # dropout off: both backends see the same joint
+    args = (joint, f, g, f_lens, targets, target_lens)
+    got = TransducerLoss("fused", 36)(*args)
+    got_grads = torch.autograd.grad(got, (f, g, joint.fc.weight, joint.fc.bias))
+    want = TransducerLoss("reference", 36)(*args)
+    want_grads = torch.autograd.grad(want, (f, g, joint.fc.weight, joint.fc.bias))
+    assert_rel(got.detach(), want.detach(), 1e-4, "loss")
+    for a, b in zip(got_grads, want_grads, strict=True):
+        assert_rel(a, b, 1e-4, "grad")
+
+
+def test_fused_rejects_mixed_dtypes_and_bad_dropout():
+    leaves, f_lens, targets, target_lens = make_case(**CASES["edges"])
+    with pytest.raises(TypeError, match="one dtype"):
+        jl.fused_joint_loss(leaves[0].double(), *leaves[1:], f_lens, targets, target_lens, blank=9)
+    with pytest.raises(ValueError, match="dropout probability"):
+        jl.fused_joint_loss(*leaves, f_lens, targets, target_lens, blank=9, dropout_p=1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU evidence (compiled kernels, MLPerf-sized shapes)
+
+
+def random_lens(bsz, t_max, u_max, seed):
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randint(max(1, t_max // 2), t_max + 1, (bsz,), generator=gen)
+    u = torch.randint(0, u_max + 1, (bsz,), generator=gen)
+    t[0], u[0] = t_max, u_max
+    return list(zip(t.tolist(), u.tolist(), strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bsz", [1, 7])
+def test_gpu_fp32_matches_reference_on_ragged_batches(bsz):
+    case = make_case(random_lens(bsz, 40, 12, bsz), 12, 512, 1024, seed=bsz)
+    assert_matches(fused(*case), reference(*case), rel=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_half_precision_within_1e2_of_fp32(dtype):
+    # fp32 run on the same (rounded) values: rounding the inputs differently would flip ReLUs
+    # of pre-activations near 0 and compare two different functions.
+    leaves, *rest = make_case(random_lens(16, 60, 20, 1), 20, 512, 1024, dtype=dtype)
+    leaves32 = [x.detach().float().requires_grad_(True) for x in leaves]
+    got = fused(leaves, *rest)
+    assert_matches(got, fused(leaves32, *rest), rel=1e-2 if dtype == torch.float16 else 3e-2)
+    assert_matches(got, reference(leaves, *rest), rel=1e-2 if dtype == torch.float16 else 3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_matches_reference_with_the_same_mask():
+    p, seed = 0.3, 99
+    leaves, *rest = case = make_case(random_lens(4, 30, 10, 2), 10, 512, 1024)
+    keep = jl.dropout_keep_mask(seed, 4, 30, 11, 512, p, DEVICE)
+    assert_matches(fused(*case, p=p, seed=seed), reference(*case, keep=keep, p=p), rel=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_longest_mlperf_shape_and_batch_512():
+    # (192, 279, 125) has 4.3e9 logits (> 2^31): the padded joint cannot even be indexed.
+    for bsz, t_max, u_max in ((192, 279, 125), (512, 60, 20)):
+        lens = [(t_max, u_max)] * bsz
+        leaves, *rest = make_case(lens, u_max, 512, 1024, dtype=torch.float16, seed=bsz)
+        nll, grads = fused(leaves, *rest)
+        assert torch.isfinite(nll).all() and all(torch.isfinite(x).all() for x in grads)
+        # every utterance is the same shape but different data: per-utterance losses differ
+        assert nll.std() > 0
+        # the first utterance alone gives the same loss and gradient
+        one = [x.detach()[:1].clone().requires_grad_(True) for x in leaves[:2]] + [
+            x.detach().clone().requires_grad_(True) for x in leaves[2:]
+        ]
+        nll1, grads1 = fused(one, *(x[:1] for x in rest))
+        assert_rel(nll1, nll[:1], 2e-3, "loss of utterance 0")
+        assert_rel(grads1[0][0] / bsz, grads[0][0], 2e-2, "grad f of utterance 0")
+
+
+@pytest.mark.gpu
+def test_gpu_memory_at_192_204_44_fp16_and_time_target(record_property):
+    bsz, t_max, u_max = 192, 204, 44
+    leaves, *rest = make_case([(t_max, u_max)] * bsz, u_max, 512, 1024, dtype=torch.float16)
+    for _ in range(2):
+        fused(leaves, *rest)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        fused(leaves, *rest)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    extra_gb = (torch.cuda.max_memory_allocated() - base) / 2**30
+    median_ms = sorted(times)[len(times) // 2]
+    print(f"fused fwd+bwd (192, 204, 44) fp16: {median_ms:.2f} ms, {extra_gb:.3f} GiB extra")
+    record_property("median_ms", median_ms)
+    record_property("extra_gib", extra_gb)
+    assert extra_gb <= 2.0
+    if median_ms > 12.0:
+        pytest.xfail(f"issue 7 targets <= 12 ms on an H200; measured {median_ms:.1f} ms")
