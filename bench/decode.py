@@ -5,15 +5,17 @@
 
 Inputs are random features with the exact lengths of the 2,703 dev-clean utterances (encoder
 frames = ceil(ceil(ceil(duration * 100) / 3) / 2)), batched in file order like the evaluation
-set. The encoder runs once per batch (timed separately); each mode then decodes the cached
-encoder outputs. One untimed warm-up pass (it includes the CUDA graph captures) precedes
+set. The encoder runs once per batch (timed separately); each mode then decodes cached encoder
+outputs (see Emissions). One untimed warm-up pass (it includes the CUDA graph captures) precedes
 `--repeats` timed passes; the table shows the median pass. GPU timings use CUDA events.
 
-Emission rate: decoding cost depends on how many symbols the model emits. With `--checkpoint`
-the trained weights decide. Without one, the blank logit's bias is bisected so that the model
-emits LibriSpeech's tokens per encoder frame (tokens of the dev-clean transcripts under the
-configured tokenizer, or a tokenizer trained on those transcripts, or words as a last resort);
-the output says which.
+Emissions: decoding cost grows with the symbols emitted (one step per symbol plus one per
+frame). With `--checkpoint` the trained weights decide, on encoder outputs of noise. Without
+one, the prediction and joint networks are trained for `--train-steps` steps on synthetic
+encoder outputs with a known alignment (`SyntheticAlignments`): each utterance gets one label
+frame per token of its real transcript (tokens from the configured tokenizer, else from one
+trained on these transcripts, else words), and those synthetic outputs are what is decoded.
+The output reports the symbols per frame actually decoded.
 """
 
 from __future__ import annotations
@@ -63,25 +65,89 @@ def spliced_frames(duration: float, splice: int) -> int:
     return math.ceil(math.ceil(round(duration * 100, 6)) / splice)
 
 
-def count_tokens(texts: list[str], cfg, tokenizer_path: str) -> tuple[int, str]:
-    """Total tokens of `texts`, and how they were counted."""
+def count_tokens(texts: list[str], cfg, tokenizer_path: str) -> tuple[list[int], str]:
+    """Tokens of each transcript, and how they were counted."""
     path = Path(tokenizer_path or cfg.data.tokenizer)
     if not path.is_absolute():
         path = ROOT / path
     if path.is_file():
         tok = Tokenizer(path)
-        return sum(len(tok.sp.encode(t)) for t in texts), f"tokenizer {path}"
+        return [len(tok.sp.encode(t)) for t in texts], f"tokenizer {path}"
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            model = train_tokenizer(texts, Path(tmp) / "sp", cfg.data.vocab_size)
-            tok = Tokenizer(model)
-            total = sum(len(tok.sp.encode(t)) for t in texts)
-            return (
-                total,
-                f"a {cfg.data.vocab_size}-piece unigram tokenizer trained on these transcripts",
-            )
+            tok = Tokenizer(train_tokenizer(texts, Path(tmp) / "sp", cfg.data.vocab_size))
         except TokenizerError:
-            return sum(len(t.split()) for t in texts), "words (no tokenizer could be built)"
+            return [len(t.split()) for t in texts], "words (no tokenizer could be built)"
+        how = f"a {cfg.data.vocab_size}-piece unigram tokenizer trained on these transcripts"
+        return [len(tok.sp.encode(t)) for t in texts], how
+
+
+def _at_label(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """g (B, U+1, H), u (B, T) label counts -> (B, T, H) prediction output after u labels."""
+    u = u.clamp(max=g.shape[1] - 1)
+    return g.gather(1, u.unsqueeze(-1).expand(-1, -1, g.shape[2]))
+
+
+class SyntheticAlignments:
+    """Encoder outputs with a known alignment, to give random weights realistic emissions.
+
+    Utterance b gets `tokens[b]` label frames at random positions among its `frames[b]`
+    frames; a label frame holds the label's random code vector plus noise, every other frame
+    noise only. The joint and prediction networks are then trained briefly (cross-entropy,
+    teacher forcing) to emit the label on its frame and blank right after it and on noise, so
+    greedy decoding emits about one symbol per label frame, like a trained model on speech.
+    """
+
+    def __init__(self, n_classes: int, hidden: int, noise: float, gen: torch.Generator) -> None:
+        self.blank = n_classes - 1
+        self.n_classes = n_classes
+        self.codes = torch.randn(n_classes, hidden, generator=gen)
+        self.noise = noise
+        self.gen = gen
+
+    def batch(self, frames: list[int], tokens: list[int]):
+        """-> f (B, T, H), f_lens (B,), labels (B, U) blank-padded, label_at (B, T) (-1: none)."""
+        batch, max_t = len(frames), max(frames)
+        f = self.noise * torch.randn(batch, max_t, self.codes.shape[1], generator=self.gen)
+        labels = torch.full((batch, max(max(tokens), 1)), self.blank)
+        label_at = torch.full((batch, max_t), -1)
+        for b, (t, u) in enumerate(zip(frames, tokens)):
+            u = min(u, t)
+            pos = torch.randperm(t, generator=self.gen)[:u].sort().values
+            ids = torch.randint(1, self.n_classes - 1, (u,), generator=self.gen)  # no <unk>
+            label_at[b, pos] = ids
+            labels[b, :u] = ids
+        is_label = label_at >= 0
+        f[is_label] += self.codes[label_at[is_label]]
+        f[torch.arange(max_t)[None, :] >= torch.tensor(frames)[:, None]] = 0
+        return f, torch.tensor(frames), labels, label_at
+
+    def train(self, model: RNNT, steps: int, rate: float, device) -> float:
+        """Fit model.prediction and model.joint to the alignments; returns the last loss."""
+        params = [*model.prediction.parameters(), *model.joint.parameters()]
+        opt = torch.optim.Adam(params, lr=3e-3)
+        loss = torch.zeros(())
+        for _ in range(steps):
+            frames = torch.randint(20, 120, (64,), generator=self.gen).tolist()
+            f, f_lens, labels, label_at = (
+                t.to(device) for t in self.batch(frames, [round(rate * t) for t in frames])
+            )
+            g = model.predict(labels)  # (B, U+1, H): g[:, u] follows the first u labels
+            is_label = label_at >= 0
+            before = is_label.long().cumsum(1) - is_label.long()  # labels before each frame
+            valid = torch.arange(f.shape[1], device=device)[None, :] < f_lens[:, None]
+            # the first evaluation at each frame: its label, or blank on a noise frame
+            first = model.joint.step(f, _at_label(g, before))[valid]
+            target = torch.where(is_label, label_at, self.blank)[valid]
+            # the evaluation right after emitting a frame's label: blank
+            after = model.joint.step(f, _at_label(g, before + 1))[valid & is_label]
+            blanks = torch.full((after.shape[0],), self.blank, device=device)
+            ce = torch.nn.functional.cross_entropy
+            loss = ce(first, target) + ce(after, blanks)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return loss.item()
 
 
 class Timer:
@@ -116,35 +182,6 @@ def make_batches(spliced: list[int], batch_size: int, in_feats: int, device, dty
         yield feats.to(device, dtype), lens.to(device)
 
 
-@torch.no_grad()
-def emission_rate(model, encoded, blank, cfg) -> float:
-    decoder = GreedyDecoder(
-        model, blank, cfg.eval.max_symbols_per_step, cfg.eval.max_symbols_per_utterance
-    )
-    tokens = frames = 0
-    for f, f_lens in encoded:
-        tokens += sum(len(h) for h in decoder.decode(f, f_lens))
-        frames += int(f_lens.sum())
-    return tokens / max(frames, 1)
-
-
-@torch.no_grad()
-def calibrate_blank_bias(model, encoded, blank, cfg, target: float, iters: int = 14) -> float:
-    """Bisect the blank bias: a larger bias makes blank win more often, lowering the rate."""
-    bias = model.joint.fc.bias
-    base = float(bias[blank])
-    lo, hi = base - 20.0, base + 20.0
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        bias[blank] = mid
-        if emission_rate(model, encoded, blank, cfg) > target:
-            lo = mid
-        else:
-            hi = mid
-    bias[blank] = (lo + hi) / 2
-    return emission_rate(model, encoded, blank, cfg)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("config", nargs="?", default=str(ROOT / "configs/baseline_v3-1023sp.yaml"))
@@ -158,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--reference-sample", type=int, default=16, help="utterances")
     parser.add_argument("--checkpoint", help="model weights (state_dict, or a dict with 'model')")
-    parser.add_argument("--tokenizer", default="", help="for the emission-rate target")
-    parser.add_argument("--calibration-iters", type=int, default=14, help="bisection steps")
+    parser.add_argument("--tokenizer", default="", help="counts the tokens per utterance")
+    parser.add_argument(
+        "--train-steps", type=int, default=300, help="synthetic-alignment training steps"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
@@ -186,9 +225,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint:
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state.get("model", state))
-    model = model.to(device, dtype).eval()
-    blank = model.blank_idx
     gen = torch.Generator().manual_seed(args.seed)
+    model.to(device)
+    if args.checkpoint:
+        emissions = f"trained weights from {args.checkpoint}, decoding encoder outputs of noise"
+    else:
+        tokens, how = count_tokens(texts, cfg, args.tokenizer)
+        target = sum(tokens) / sum(frames)
+        synthetic = SyntheticAlignments(cfg.model.n_classes, cfg.model.joint_n_hid, 0.3, gen)
+        loss = synthetic.train(model, args.train_steps, target, device)
+        emissions = (
+            f"random encoder weights; prediction+joint trained {args.train_steps} steps "
+            f"(final loss {loss:.3f}) on synthetic encoder outputs with one label frame per "
+            f"token of each dev-clean transcript ({how}: {target:.4f} tokens per frame)"
+        )
+    model = model.to(dtype).eval()
+    blank = model.blank_idx
     n_utts = len(frames)
     result: dict = {
         "config": args.config,
@@ -215,21 +267,12 @@ def main(argv: list[str] | None = None) -> int:
             with Timer(device) as t, torch.no_grad():
                 batches.append(model.encode(feats, lens))
             total += t.seconds
+        if not args.checkpoint:  # decode the synthetic alignments instead
+            batches = []
+            for i in range(0, n_utts, bs):
+                f, f_lens, _, _ = synthetic.batch(frames[i : i + bs], tokens[i : i + bs])
+                batches.append((f.to(device, dtype), f_lens.to(device)))
         encoded_by_bs[bs], encode_s[bs] = batches, total
-
-    if args.checkpoint:
-        result["emissions"] = "trained weights from " + args.checkpoint
-    else:
-        tokens, how = count_tokens(texts, cfg, args.tokenizer)
-        target = tokens / sum(frames)
-        calib = encoded_by_bs[args.batch_sizes[0]][:2]
-        achieved = calibrate_blank_bias(model, calib, blank, cfg, target, args.calibration_iters)
-        result["emissions"] = (
-            f"random weights; blank bias set to {model.joint.fc.bias[blank].item():.3f} so "
-            f"that the calibration batches emit {achieved:.4f} symbols per encoder frame "
-            f"(target {target:.4f}: dev-clean {how})"
-        )
-    print(result["emissions"])
 
     hyps: dict[tuple[str, int], list] = {}
     for bs in args.batch_sizes:
@@ -270,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
             )
     first = next(iter(hyps.values()))
     result["all_modes_identical"] = all(h == first for h in hyps.values())
+    symbols = sum(map(len, first))
+    result["emissions"] = f"{emissions}; decoded: {symbols / sum(frames):.4f} symbols per frame"
+    result["utterances_at_symbol_limit"] = sum(
+        len(h) == cfg.eval.max_symbols_per_utterance for h in first
+    )
 
     sample = min(args.reference_sample, n_utts)
     if sample:
@@ -296,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
 
+    print(result["emissions"])
     print(f"{n_utts} utterances, {result['device']}, {result['dtype']}")
     print(
         f"{'mode':<20}{'batch':>6}{'utts':>6}{'decode s':>10}{'utt/s':>10}"

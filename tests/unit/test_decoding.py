@@ -238,7 +238,7 @@ def test_decode_benchmark_cpu_smoke(repo_root, shared_data, tmp_path):
     out = tmp_path / "bench.json"
     argv = [str(repo_root / "configs" / "tiny.yaml"), "--device", "cpu", "--limit", "6"]
     argv += ["--batch-sizes", "4", "--repeats", "1", "--reference-sample", "2"]
-    argv += ["--calibration-iters", "3", "--json", str(out)]
+    argv += ["--train-steps", "5", "--json", str(out)]
     argv += ["--lengths", str(shared_data / "librispeech_dev-clean_lengths.tsv")]
     assert bench["main"](argv) == 0
     result = json.loads(out.read_text())
