@@ -19,8 +19,9 @@ from rnnt.config import Config, ConfigError, to_dict
 from rnnt.data.augment import BatchTransform
 from rnnt.data.batch import FeatureBatch
 from rnnt.data.loader import build_loader
-from rnnt.data.manifest import read_manifest
+from rnnt.data.manifest import Utterance, read_manifest
 from rnnt.data.sampler import BucketingSampler
+from rnnt.data.synthetic import SyntheticFeatureSource, tokenizer_for_lengths_table
 from rnnt.data.tokenizer import Tokenizer
 from rnnt.distributed import DistContext, all_reduce_mean_
 from rnnt.evaluation import (
@@ -88,6 +89,9 @@ class Trainer:
         self.global_batch = (
             cfg.training.batch_size * cfg.training.grad_accumulation * ctx.world_size
         )
+        if dcfg.backend == "synthetic":
+            self._build_synthetic_data()
+            return
         train_utts = []
         for path in dcfg.train_manifests:
             train_utts += read_manifest(path, dcfg.dataset_dir)
@@ -122,6 +126,43 @@ class Trainer:
             f"data: {len(self.train_utts)} train utterances ({self.dropped_long} dropped longer "
             f"than {dcfg.max_duration} s), {len(self.val_utts)} dev utterances, global batch "
             f"{self.global_batch}, {len(self.sampler)} steps per epoch"
+        )
+
+    def _build_synthetic_data(self) -> None:
+        """Noise features at real LibriSpeech lengths (rnnt.data.synthetic): for speed runs and
+        GPU checks without audio. WER on it is meaningless; mid-epoch resume restarts the
+        epoch's batches (the source regenerates them from (seed, epoch))."""
+        cfg, ctx, dcfg = self.cfg, self.ctx, self.cfg.data
+        if self.tokenizer is None:
+            self.tokenizer = tokenizer_for_lengths_table(
+                dcfg.synthetic_train_lengths, dcfg.vocab_size, self.out_dir / "tokenizer"
+            )
+        common = dict(
+            tokenizer=self.tokenizer, features=cfg.features, rank=ctx.rank,
+            world_size=ctx.world_size, seed=cfg.training.seed, device=ctx.device,
+        )  # fmt: skip
+        self.train_loader = SyntheticFeatureSource(
+            dcfg.synthetic_train_lengths,
+            cfg.training.batch_size * cfg.training.grad_accumulation,
+            train=True,
+            max_duration=dcfg.max_duration,
+            **common,
+        )
+        self.val_loader = SyntheticFeatureSource(
+            dcfg.synthetic_val_lengths, cfg.eval.batch_size, train=False, **common
+        )
+        self.sampler = self.train_loader.batches
+        src = self.train_loader
+        self.train_utts = [
+            Utterance(i, "", float(d), t, tok)
+            for i, d, t, tok in zip(src.utt_ids, src.durations, src.transcripts, src.tokens)
+        ]
+        self.val_utts = self.val_loader.utt_ids
+        self.dropped_long = 0
+        self.log.info(
+            f"data: SYNTHETIC noise features at the lengths of {dcfg.synthetic_train_lengths} "
+            f"({len(self.train_utts)} train) and {dcfg.synthetic_val_lengths} "
+            f"({len(self.val_utts)} dev); {len(self.sampler)} steps per epoch"
         )
 
     def _build_model(self) -> None:
@@ -192,14 +233,19 @@ class Trainer:
                 "step": self.progress.step,
                 "best_wer": self.progress.best_wer,
             },
-            # the loader prefetches: record the batches actually trained, not those handed out
-            "sampler": self.sampler.state_dict(batches_done=self.batches_done),
+            "sampler": self._sampler_state(),
             "skipped_total": self.skipped_total.cpu(),
             "skipped_in_a_row": self.skipped_in_a_row.cpu(),
             "augment_rng": self.augment_generator.get_state(),
             "rng": capture_rng_state(),
             "config": to_dict(self.cfg),
         }
+
+    def _sampler_state(self) -> dict:
+        if self.cfg.data.backend == "synthetic":
+            return self.sampler.state_dict()  # position 0: the source replays whole epochs
+        # the loader prefetches: record the batches actually trained, not those handed out
+        return self.sampler.state_dict(batches_done=self.batches_done)
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
