@@ -25,6 +25,8 @@ CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> dict:
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (scripts/install.sh installs it)")
     root = tmp_path_factory.mktemp("digits")
     build_corpus(root, "digits", train=48, dev=12, seed=3, workers=2, progress=False)
     train, _ = build_manifest(root, ["train"], max_duration=16.7)
