@@ -226,9 +226,11 @@ class TransducerLoss:
     def _fused(self, joint, f, g, f_lens, targets, target_lens) -> torch.Tensor:
         dropout = joint.dropout
         p = dropout.p if isinstance(dropout, torch.nn.Dropout) and joint.training else 0.0
+        # One operand dtype for the kernels (fp32 weights under autocast meet fp16 activations).
+        dt = f.dtype
         nll = self._fused_fn(
-            f, g, joint.fc.weight, joint.fc.bias, f_lens, targets, target_lens,
-            blank=self.blank_idx, dropout_p=p,
+            f, g.to(dt), joint.fc.weight.to(dt), joint.fc.bias.to(dt), f_lens, targets,
+            target_lens, blank=self.blank_idx, dropout_p=p,
         )  # fmt: skip
         return nll.mean()
 
