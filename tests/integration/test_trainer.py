@@ -171,3 +171,33 @@ def test_fp16_overflow_lowers_the_scale_and_skips(corpus, tmp_path):
     assert int(trainer.skipped_total) == 1
     for a, b in zip(before, trainer.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_two_processes_under_torchrun_share_one_log_and_one_eval(corpus, tmp_path, repo_root):
+    import subprocess
+    import sys
+
+    out = tmp_path / "ddp"
+    root = corpus["root"]
+    sets = [
+        f"data.dataset_dir={root}", f"data.train_manifests=[{root / 'train.jsonl'}]",
+        f"data.val_manifests=[{root / 'dev.jsonl'}]", f"data.tokenizer={corpus['tokenizer']}",
+        "data.backend=torch", "data.num_threads=0", "data.num_buckets=1", "model.n_classes=21",
+        "model.enc_n_hid=32",
+        "model.pred_n_hid=16", "model.joint_n_hid=32", "training.batch_size=4",
+        "training.epochs=1", "training.log_frequency=1", f"training.output_dir={out}",
+        "eval.batch_size=4",
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "train.py", "configs/tiny.yaml", "--device", "cpu"]  # fmt: skip
+    for s in sets:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert "target NOT reached" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    mlperf = (out / "mlperf.log").read_text()
+    assert mlperf.count('"key": "run_start"') == 1  # rank 0 alone writes the MLPerf log
+    assert '"key": "global_batch_size", "value": 8' in mlperf  # 4 per rank x 2 ranks
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert len(evals) == 1 and evals[0]["utterances"] == 12  # both ranks' shards, summed
