@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +36,7 @@ if str(ROOT) not in sys.path:
 
 from rnnt.config import Config, ModelConfig, load_config  # noqa: E402
 from rnnt.data.augment import BatchTransform  # noqa: E402
+from rnnt.data.batch import FeatureBatch  # noqa: E402
 from rnnt.data.synthetic import SyntheticFeatureSource, tokenizer_for_lengths_table  # noqa: E402
 from rnnt.graphs import TrainingGraphs, max_spliced_frames  # noqa: E402
 from rnnt.loss import TransducerLoss  # noqa: E402
@@ -209,9 +211,25 @@ def synthetic_batches(
     transform = BatchTransform(cfg.features, train=True, dtype=dtype)
     out = []
     for fb in source:
+        if args.average_lengths:
+            fb = _at_average_lengths(fb, source)
         mb = transform(fb)
         out.append((mb.feats, mb.feat_lens, mb.tokens, mb.token_lens))
     return out, source
+
+
+def _at_average_lengths(fb: FeatureBatch, source: SyntheticFeatureSource) -> FeatureBatch:
+    """Every utterance of the batch at the table's mean duration and mean token count: the
+    shape at which per-step targets "at average LibriSpeech lengths" are stated."""
+    frames = int(source.frames(np.array([source.durations.mean()]), np.ones(1))[0])
+    tokens = round(float(np.mean([len(t) for t in source.tokens])))
+    b = len(fb)
+    gen = torch.Generator(device=fb.feats.device).manual_seed(0)
+    feats = torch.randn(b, fb.feats.shape[1], frames, generator=gen, device=fb.feats.device)
+    vocab = source.random_ids_below or max(max(t) for t in source.tokens) + 1
+    ids = torch.randint(1, vocab, (b, tokens), generator=gen, device=fb.feats.device)
+    full = torch.full((b,), frames, dtype=torch.int64, device=fb.feats.device)
+    return FeatureBatch(feats, full, ids, torch.full_like(full, tokens))
 
 
 def bench_one(cfg: Config, args, batch_size: int, num_cg: int, peak: float) -> dict:
@@ -352,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "rnnt-bench"))
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument(
+        "--average-lengths",
+        action="store_true",
+        help="every utterance at the table's mean duration and token count (no padding)",
+    )
     parser.add_argument(
         "--profile",
         default=None,
