@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from rnnt.config import ConfigError, add_config_args, load_config
+from rnnt.config import ConfigError, add_config_args, load_config_or_exit
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,11 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"eval.mode={args.mode}")
     if args.manifest:
         overrides.append(f"data.val_manifests={json.dumps(args.manifest)}")
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, overrides)
 
     from rnnt.distributed import init_distributed
     from rnnt.evaluation import load_for_eval, score

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rnnt.config import ConfigError, add_config_args, load_config
+from rnnt.config import ConfigError, add_config_args, load_config_or_exit
 from rnnt.distributed import init_distributed, shutdown
 
 
@@ -47,11 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.num_cg is not None:
         overrides.append(f"training.num_cg={args.num_cg}")
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, overrides)
 
     from pathlib import Path
 

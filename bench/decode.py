@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rnnt.config import ConfigError, load_config  # noqa: E402
+from rnnt.config import load_config_or_exit  # noqa: E402
 from rnnt.data.text import normalize_transcript  # noqa: E402
 from rnnt.data.tokenizer import Tokenizer, TokenizerError, train_tokenizer  # noqa: E402
 from rnnt.decoding import MODES, GreedyDecoder, decode_reference  # noqa: E402
@@ -202,11 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides)
 
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("fp16" if device.type == "cuda" else "fp32")]

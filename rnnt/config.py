@@ -8,6 +8,7 @@ the key and the file, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -329,6 +330,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raw = _merge(raw, nested)
         _build_root(raw, f"override '{text}'")
     return _build_root(_with_preset(raw, source), source)
+
+
+def load_config_or_exit(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """load_config for command-line entry points: a config problem prints its one-line message
+    to stderr and exits with status 2 (no traceback for a typo)."""
+    try:
+        return load_config(path, overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def to_dict(cfg: Any) -> dict:

@@ -230,16 +230,12 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rnnt.config import add_config_args, load_config
+    from rnnt.config import add_config_args, load_config_or_exit
 
     parser = argparse.ArgumentParser(description="Build the model of a config and count it.")
     add_config_args(parser)
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides)
     model = RNNT(cfg.model)
     print(model)
     print(f"parameters: {count_parameters(model)}")
