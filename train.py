@@ -52,14 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from rnnt.mlperf import MLPerfLogger
+    from rnnt.run_log import METRICS_FILE
     from rnnt.trainer import NonFiniteLossError, Trainer
 
     ctx = init_distributed(args.device)
     log_path = args.mlperf_log or str(Path(cfg.training.output_dir) / "mlperf.log")
     if ctx.is_main:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        if not args.resume:
+        if not args.resume:  # a fresh run starts its logs afresh (checkpoints are kept)
             Path(log_path).unlink(missing_ok=True)  # one run per MLPerf log
+            (Path(cfg.training.output_dir) / METRICS_FILE).unlink(missing_ok=True)
     mlperf = MLPerfLogger(log_path, ctx.rank)
     mlperf.submission_info(org=args.org, platform=args.platform, division="closed", status="onprem")
     mlperf.cache_clear(args.cache_cleared)
