@@ -53,6 +53,10 @@ import triton.language as tl
 
 _NEG = -1e30  # log(0) stand-in, as in rnnt.loss
 _KNEG = tl.constexpr(_NEG)  # the same, readable inside kernels
+# Integer arguments that change from batch to batch. Triton would otherwise compile a variant
+# per value class (== 1, divisible by 16) of each, i.e. dozens of seconds-long compiles during
+# the first training steps (the seed alone changes every step).
+_RUNTIME_INTS = ["T", "U1", "seed", "n_t_tiles"]
 
 # Launch configurations by element size of the inputs: per pass (BT, BU, BN, num_warps), with
 # M = BT * BU lattice rows and BN classes per logits tile. A tile keeps h (M x H) and a W tile
@@ -108,7 +112,7 @@ def _keep(seed, b, t, u, k, U1, H, drop_thr):
     return (_mix(idx ^ key) >> 8).to(tl.int32) >= drop_thr
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _forward_kernel(
     f_ptr, g_ptr, w_ptr, bias_ptr, tgt_ptr, flen_ptr, tlen_ptr,
     lse_ptr, blank_ptr, label_ptr,
@@ -164,7 +168,7 @@ def _logaddexp(a, b):
     return top + tl.log(tl.exp(a - top) + tl.exp(b - top))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "U1"])
 def _lattice_kernel(
     lpb_ptr, lpl_ptr, flen_ptr, tlen_ptr, alpha_ptr, beta_ptr, ll_ptr, T, U1,
     BLOCK_U: tl.constexpr,
@@ -219,7 +223,7 @@ def _dlogits(h, w, bias, cols, c_ok, row_ok, label, lse, occ, w_blank, w_label, 
     return tl.where(ok, d, 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _grad_fg_kernel(
     f_ptr, g_ptr, w_ptr, bias_ptr, tgt_ptr, flen_ptr, tlen_ptr,
     lse_ptr, occ_ptr, wb_ptr, wl_ptr, go_ptr, df_ptr, dg_ptr,
@@ -271,7 +275,7 @@ def _grad_fg_kernel(
                  mask=(tt < t_len)[:, None] & k_ok[None, :])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["n_u_tiles", "n_tiles", "n_splits"])
 def _grad_w_kernel(
     f_ptr, g_ptr, w_ptr, bias_ptr, tgt_ptr, flen_ptr, tlen_ptr,
     lse_ptr, occ_ptr, wb_ptr, wl_ptr, go_ptr, dw_ptr, dbias_ptr,
