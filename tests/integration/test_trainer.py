@@ -201,3 +201,32 @@ def test_two_processes_under_torchrun_share_one_log_and_one_eval(corpus, tmp_pat
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
     evals = [r for r in records if r["kind"] == "eval"]
     assert len(evals) == 1 and evals[0]["utterances"] == 12  # both ranks' shards, summed
+
+
+@pytest.mark.gpu
+def test_training_step_never_syncs_with_the_host(tmp_path, shared_data):
+    """Trainer.train_step on the GPU (fp16, GradScaler, LAMB, EMA, skip counters) under
+    sync-debug "error": any host-device synchronization inside the step raises."""
+    from rnnt.distributed import init_distributed
+
+    cfg = load_config(
+        Path(__file__).parents[2] / "configs/tiny.yaml",
+        [
+            "data.backend=synthetic", "data.tokenizer=", "data.vocab_size=1023",
+            "model.n_classes=1024", "data.max_duration=4.0", "training.batch_size=8",
+            "training.precision=fp16", f"training.output_dir={tmp_path}",
+            f"data.synthetic_train_lengths={shared_data / 'librispeech_train-clean-5_lengths.tsv'}",
+            f"data.synthetic_val_lengths={shared_data / 'librispeech_dev-clean_lengths.tsv'}",
+        ],
+    )  # fmt: skip
+    trainer = Trainer(cfg, init_distributed("cuda"))
+    batches = iter(trainer.train_loader)
+    trainer.train_step(next(batches), lr=0.004)  # warm-up: allocations, cuDNN plans
+    batch = next(batches)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = trainer.train_step(batch, lr=0.004)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss)
