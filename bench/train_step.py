@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from rnnt.config import Config, ModelConfig, load_config  # noqa: E402
+from rnnt.config import Config, ModelConfig, add_override_arg, load_config  # noqa: E402
 from rnnt.data.augment import BatchTransform  # noqa: E402
 from rnnt.data.batch import FeatureBatch  # noqa: E402
 from rnnt.data.synthetic import SyntheticFeatureSource, tokenizer_for_lengths_table  # noqa: E402
@@ -334,14 +334,7 @@ def print_table(rows: list[dict], peak: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs/baseline_v3-1023sp.yaml"))
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="config override (repeatable)",
-    )
+    add_override_arg(parser)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64, 192])
     parser.add_argument(

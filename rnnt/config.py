@@ -349,6 +349,11 @@ def to_dict(cfg: Any) -> dict:
 def add_config_args(parser) -> None:
     """Add the shared `config` / `--set` arguments to an argparse parser."""
     parser.add_argument("config", help="YAML config file (see configs/)")
+    add_override_arg(parser)
+
+
+def add_override_arg(parser) -> None:
+    """Add the repeatable `--set SECTION.KEY=VALUE` argument (dest: overrides)."""
     parser.add_argument(
         "--set",
         dest="overrides",

@@ -223,6 +223,18 @@ def _dlogits(h, w, bias, cols, c_ok, row_ok, label, lse, occ, w_blank, w_label, 
     return tl.where(ok, d, 0.0)
 
 
+@triton.jit
+def _cell_stats(lse_ptr, occ_ptr, wb_ptr, wl_ptr, tgt_ptr, b, t, u, row_ok, T, U1):
+    """Per lattice cell (b, t, u): log-sum-exp, occupancy, blank and label posteriors, label."""
+    cell = (b * T + t) * U1 + u
+    lse = tl.load(lse_ptr + cell, mask=row_ok, other=0.0)
+    occ = tl.load(occ_ptr + cell, mask=row_ok, other=0.0)
+    w_blank = tl.load(wb_ptr + cell, mask=row_ok, other=0.0)
+    w_label = tl.load(wl_ptr + cell, mask=row_ok, other=0.0)
+    label = tl.load(tgt_ptr + b * U1 + u, mask=row_ok, other=0)
+    return lse, occ, w_blank, w_label, label
+
+
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _grad_fg_kernel(
     f_ptr, g_ptr, w_ptr, bias_ptr, tgt_ptr, flen_ptr, tlen_ptr,
@@ -248,12 +260,9 @@ def _grad_fg_kernel(
             h, gate = _joint_rows(f_ptr, g_ptr, b, t0, u0, t, u, row_ok, k, k_ok, T, U1, H, seed,
                                   drop_thr, scale, BT, BU, DROPOUT)  # fmt: skip
             h = h.to(w_ptr.dtype.element_ty)
-            cell = (b * T + t) * U1 + u
-            lse = tl.load(lse_ptr + cell, mask=row_ok, other=0.0)
-            occ = tl.load(occ_ptr + cell, mask=row_ok, other=0.0)
-            w_blank = tl.load(wb_ptr + cell, mask=row_ok, other=0.0)
-            w_label = tl.load(wl_ptr + cell, mask=row_ok, other=0.0)
-            label = tl.load(tgt_ptr + b * U1 + u, mask=row_ok, other=0)
+            lse, occ, w_blank, w_label, label = _cell_stats(
+                lse_ptr, occ_ptr, wb_ptr, wl_ptr, tgt_ptr, b, t, u, row_ok, T, U1
+            )
             dh = tl.zeros((BT * BU, HP), tl.float32)
             for n0 in range(0, V, BN):
                 cols = n0 + tl.arange(0, BN)
@@ -309,12 +318,9 @@ def _grad_w_kernel(
             h, _ = _joint_rows(f_ptr, g_ptr, b, t0, u0, t, u, row_ok, k, k_ok, T, U1, H, seed,
                                drop_thr, scale, BT, BU, DROPOUT)  # fmt: skip
             h = h.to(w_ptr.dtype.element_ty)
-            cell = (b * T + t) * U1 + u
-            lse = tl.load(lse_ptr + cell, mask=row_ok, other=0.0)
-            occ = tl.load(occ_ptr + cell, mask=row_ok, other=0.0)
-            w_blank = tl.load(wb_ptr + cell, mask=row_ok, other=0.0)
-            w_label = tl.load(wl_ptr + cell, mask=row_ok, other=0.0)
-            label = tl.load(tgt_ptr + b * U1 + u, mask=row_ok, other=0)
+            lse, occ, w_blank, w_label, label = _cell_stats(
+                lse_ptr, occ_ptr, wb_ptr, wl_ptr, tgt_ptr, b, t, u, row_ok, T, U1
+            )
             d = _dlogits(h, w, bias, cols, c_ok, row_ok, label, lse, occ, w_blank, w_label,
                          blank, DOT_PREC)  # fmt: skip
             go = tl.load(go_ptr + b)
