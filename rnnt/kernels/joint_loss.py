@@ -1,4 +1,4 @@
-"""Fused RNN-T joint network + loss in Triton: the (B, T, U+1, V) logits never exist.
+"""Fused RNN-T joint network + loss: the (B, T, U+1, V) logits never exist.
 
 What it computes, for every lattice cell (b, t, u) with t < T_b and u <= U_b:
 
@@ -9,38 +9,27 @@ What it computes, for every lattice cell (b, t, u) with t < T_b and u <= U_b:
 and the per-utterance loss -log P(y_b | x_b) from the forward/backward variables over those
 (B, T, U+1) values. It is exact: every cell and every class is used (no pruning).
 
-Passes (all tiles are BT frames x BU label states = M lattice rows, fp32 accumulation):
-    1. `_forward_kernel`, grid (B x T-tiles, U-tiles): h for the tile (full H kept on chip),
-       then the logits V-tile by V-tile with an online log-sum-exp; keeps lse, the blank logit
-       and the target logit per cell. Tiles past (T_b, U_b) exit at once (ragged batches).
-    2. `_lattice_kernel`, grid (B,): alpha and beta along anti-diagonals t + u = n, one
-       vector of U+1 cells per step, synchronised through global memory with a CTA barrier.
-       The transition posteriors (occupancy, blank and label weights) follow elementwise in
-       PyTorch; they are all the backward pass needs from the lattice.
-    3. `_grad_fg_kernel`, grid (B, T-tiles): for each U-tile up to U_b, recompute the logits
-       tile by tile, form dlogits = occupancy * softmax - blank/label posteriors, accumulate
-       dh = dlogits @ W over V, mask it with relu' and dropout, and reduce it over u (df, kept
-       in registers for the program's frames: no atomics) and over t (dg, one atomic add per
-       tile and label state).
-    4. `_grad_w_kernel`, grid (V-tiles, S splits of the lattice tiles): each program holds one
-       V-tile of W, walks its share of the lattice tiles, recomputes h and dlogits and
-       accumulates dW = dlogits^T @ h and dbias in registers, then writes an S x V x H fp32
-       partial that torch sums (no atomics on W).
+The lattice is walked in chunks of whole utterances whose h (rows x H) and logits (rows x V)
+fit in CHUNK_BYTES; nothing proportional to B T (U+1) H or B T (U+1) V is ever allocated.
+Per chunk, forward:
+    1. `_hidden_kernel` writes h (relu, dropout, zero rows outside each utterance's lattice).
+    2. cuBLAS: logits = h @ W^T (tensor cores, fp32 accumulation).
+    3. `_logit_stats_kernel` keeps log-sum-exp, blank and target logit per row (bias added in
+       fp32); the chunk's logits buffer is then reused.
+then `_lattice_kernel` (one program per utterance, anti-diagonal steps) gives alpha, beta and
+log P from those (B, T, U+1) values. Backward, per chunk: h and the logits are recomputed
+(steps 1-2), `_dlogits_kernel` overwrites the logits with d(logits) = occupancy * softmax -
+blank/label posteriors, cuBLAS forms dW += d(logits)^T h (fp32 output) and dh = d(logits) W, and
+`_grad_fg_kernel` reduces dh * relu' over u (df) and over t (dg). That is four GEMMs of
+rows x H x V per step, the minimum with recomputation; everything else is one pass over memory.
 
-Memory: O(B T (U+1)) fp32 for lse / logits / alpha / beta / weights, O(S V H) for the dW
-partials, nothing of size B T (U+1) V or B T (U+1) H. Compute: the logits GEMM is recomputed
-once in each backward pass (5 GEMMs of B T (U+1) x H x V in all, against 3 without
-recomputation).
-
-Measured on one H200 (fp16, dropout 0.3, forward + backward, bench/joint_loss.py, torch 2.11,
-Triton 3.6): 97 ms / 0.32 GiB extra at (B, T, U) = (192, 204, 44) (torchaudio: 68 ms / 11 GiB),
-348 ms / 0.56 GiB at (192, 279, 125) (torchaudio: illegal memory access), 148 ms / 0.52 GiB on a
-LibriSpeech-shaped ragged batch. Far from issue 7's 12 ms target: the passes hold h (M x H) and
-the dh / dW accumulators (M x H, BN x H fp32) in registers with one pipeline stage, and the dW
-pass regenerates h once per class tile (V / BN times); see the kernel tests' xfail.
+Why not one Triton kernel with the logits only in registers: the backward needs dW, a
+reduction over all rows, and dh, a reduction over all V, from the same d(logits) tile; holding
+either accumulator on chip forces recomputing the logits GEMM per H- or V-slice (the previous
+version of this file did that and took 74-97 ms at (192, 204, 44); see issue 7's note).
 
 Dropout: element (b, t, u, k) is kept when 24 bits of an integer hash of (seed, b,
-(t (U+1) + u) H + k) are >= p * 2^24, regenerated identically in every pass;
+(t (U+1) + u) H + k) are >= p * 2^24, regenerated identically in forward and backward;
 `dropout_keep_mask` materialises it for tests.
 Runs on CUDA tensors, and on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1).
 """
@@ -53,45 +42,21 @@ import triton.language as tl
 
 _NEG = -1e30  # log(0) stand-in, as in rnnt.loss
 _KNEG = tl.constexpr(_NEG)  # the same, readable inside kernels
-# Integer arguments that change from batch to batch. Triton would otherwise compile a variant
-# per value class (== 1, divisible by 16) of each, i.e. dozens of seconds-long compiles during
-# the first training steps (the seed alone changes every step).
-_RUNTIME_INTS = ["T", "U1", "seed", "n_t_tiles"]
 
-# Launch configurations by element size of the inputs: per pass (BT, BU, BN, num_warps), with
-# M = BT * BU lattice rows and BN classes per logits tile. A tile keeps h (M x H) and a W tile
-# (BN x H) on chip whole, so fp32 gets smaller tiles; one pipeline stage keeps shared memory
-# within an H100/H200 SM at H = 512.
-TILES = {
-    2: {"fwd": (8, 16, 64, 8), "grad_fg": (4, 8, 64, 8), "grad_w": (4, 16, 64, 8)},
-    4: {"fwd": (4, 8, 32, 8), "grad_fg": (4, 4, 32, 8), "grad_w": (4, 8, 32, 8)},
-}
-NUM_STAGES = 1
-# dW programs per SM (each owns one class tile and a share of the lattice tiles); more of them
-# hide latency better but each writes its own V x H fp32 partial.
-GRAD_W_PROGRAMS_PER_SM = 8
-
-
-@triton.jit
-def _joint_rows(f_ptr, g_ptr, b, t0, u0, t, u, row_ok, k, k_ok, T, U1, H, seed, drop_thr,
-                scale, BT: tl.constexpr, BU: tl.constexpr,
-                DROPOUT: tl.constexpr):  # fmt: skip
-    """h (M, HP) and gate (M, HP) = d h / d(f + g) for lattice rows (b, t[m], u[m]),
-    t[m] = t0 + m // BU, u[m] = u0 + m % BU."""
-    # BT frames and BU label states are loaded once and broadcast to the M = BT x BU rows.
-    tt = t0 + tl.arange(0, BT)
-    uu = u0 + tl.arange(0, BU)
-    fv = tl.load(f_ptr + (b * T + tt)[:, None] * H + k[None, :],
-                 mask=(tt < T)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-    gv = tl.load(g_ptr + (b * U1 + uu)[:, None] * H + k[None, :],
-                 mask=(uu < U1)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-    pre = fv.to(tl.float32)[:, None, :] + gv.to(tl.float32)[None, :, :]
-    pre = tl.where(row_ok[:, None], tl.reshape(pre, (BT * BU, k.shape[0])), 0.0)
-    gate = tl.where(pre > 0.0, 1.0, 0.0)
-    if DROPOUT:
-        keep = _keep(seed, b, t, u, k, U1, H, drop_thr)
-        gate = tl.where(keep, gate * scale, 0.0)
-    return pre * gate, gate
+# Bytes of h, logits and dh per chunk of utterances. 1 GiB keeps the extra memory of a step at
+# (192, 204, 44) fp16 near 1.3 GiB while each GEMM is still ~250k rows (full tensor-core speed;
+# 512 MiB measured 10% slower, 2 GiB 3% faster at twice the memory).
+CHUNK_BYTES = 1 << 30
+# Launch shapes of the memory-bound kernels (tuned on an H200 at (192, 204, 44) fp16).
+ROW_TILE = 1024  # elements per block of the row-wise kernels: whole rows (BN >= V classes)
+ROW_WARPS = 1
+STATS_PROGRAMS_PER_SM = 64  # persistent programs of `_logit_stats_kernel`
+DLOGITS_PROGRAMS_PER_SM = 32  # and of `_dlogits_kernel`
+HIDDEN_U_TILE = 16  # label states per program of `_hidden_kernel` (one frame, all of H)
+HIDDEN_WARPS = 8
+FG_H_TILE = 32  # hidden units per program of the df / dg reduction
+FG_PROGRAMS_PER_SM = 4  # frame splits are added until the reduction has this many programs
+MAX_FG_U_TILE = 128  # label states per program there; more than this and df uses atomics
 
 
 @triton.jit
@@ -110,56 +75,6 @@ def _keep(seed, b, t, u, k, U1, H, drop_thr):
     key = _mix((seed + b * 0x27D4EB2F).to(tl.uint32, bitcast=True))
     idx = ((t * U1 + u)[:, None] * H + k[None, :]).to(tl.uint32, bitcast=True)
     return (_mix(idx ^ key) >> 8).to(tl.int32) >= drop_thr
-
-
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
-def _forward_kernel(
-    f_ptr, g_ptr, w_ptr, bias_ptr, tgt_ptr, flen_ptr, tlen_ptr,
-    lse_ptr, blank_ptr, label_ptr,
-    T, U1, H, V, blank, seed, drop_thr, scale, n_t_tiles,
-    BT: tl.constexpr, BU: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    b = pid // n_t_tiles
-    t0 = (pid % n_t_tiles) * BT
-    u0 = tl.program_id(1) * BU
-    t_len = tl.load(flen_ptr + b)
-    u_len = tl.load(tlen_ptr + b)
-    if (t0 < t_len) & (u0 <= u_len):
-        m = tl.arange(0, BT * BU)
-        t = t0 + m // BU
-        u = u0 + m % BU
-        row_ok = (t < t_len) & (u <= u_len)
-        k = tl.arange(0, HP)
-        k_ok = k < H
-        h, _ = _joint_rows(f_ptr, g_ptr, b, t0, u0, t, u, row_ok, k, k_ok, T, U1, H, seed,
-                           drop_thr, scale, BT, BU, DROPOUT)  # fmt: skip
-        h = h.to(w_ptr.dtype.element_ty)
-        label = tl.load(tgt_ptr + b * U1 + u, mask=row_ok, other=0)
-        run_max = tl.full((BT * BU,), _KNEG, tl.float32)
-        run_sum = tl.zeros((BT * BU,), tl.float32)
-        blank_logit = tl.zeros((BT * BU,), tl.float32)
-        label_logit = tl.zeros((BT * BU,), tl.float32)
-        for n0 in range(0, V, BN):
-            cols = n0 + tl.arange(0, BN)
-            c_ok = cols < V
-            w = tl.load(w_ptr + cols[:, None] * H + k[None, :],
-                        mask=c_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-            bias = tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
-            s = tl.dot(h, tl.trans(w), input_precision=DOT_PREC) + bias[None, :]
-            s = tl.where(c_ok[None, :], s, _KNEG)
-            new_max = tl.maximum(run_max, tl.max(s, axis=1))
-            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(
-                tl.exp(s - new_max[:, None]), axis=1
-            )
-            run_max = new_max
-            blank_logit += tl.sum(tl.where(cols[None, :] == blank, s, 0.0), axis=1)
-            label_logit += tl.sum(tl.where(cols[None, :] == label[:, None], s, 0.0), axis=1)
-        cell = (b * T + t) * U1 + u
-        tl.store(lse_ptr + cell, run_max + tl.log(run_sum), mask=row_ok)
-        tl.store(blank_ptr + cell, blank_logit, mask=row_ok)
-        tl.store(label_ptr + cell, label_logit, mask=row_ok)
 
 
 @triton.jit
@@ -212,126 +127,6 @@ def _lattice_kernel(
 
 
 @triton.jit
-def _dlogits(h, w, bias, cols, c_ok, row_ok, label, lse, occ, w_blank, w_label, blank,
-             DOT_PREC: tl.constexpr):  # fmt: skip
-    """d loss / d logits for M rows x BN classes: occupancy * softmax - transition weights."""
-    s = tl.dot(h, tl.trans(w), input_precision=DOT_PREC) + bias[None, :]
-    ok = row_ok[:, None] & c_ok[None, :]
-    d = tl.where(ok, tl.exp(s - lse[:, None]), 0.0) * occ[:, None]
-    d -= tl.where(cols[None, :] == blank, w_blank[:, None], 0.0)
-    d -= tl.where(cols[None, :] == label[:, None], w_label[:, None], 0.0)
-    return tl.where(ok, d, 0.0)
-
-
-@triton.jit
-def _cell_stats(lse_ptr, occ_ptr, wb_ptr, wl_ptr, tgt_ptr, b, t, u, row_ok, T, U1):
-    """Per lattice cell (b, t, u): log-sum-exp, occupancy, blank and label posteriors, label."""
-    cell = (b * T + t) * U1 + u
-    lse = tl.load(lse_ptr + cell, mask=row_ok, other=0.0)
-    occ = tl.load(occ_ptr + cell, mask=row_ok, other=0.0)
-    w_blank = tl.load(wb_ptr + cell, mask=row_ok, other=0.0)
-    w_label = tl.load(wl_ptr + cell, mask=row_ok, other=0.0)
-    label = tl.load(tgt_ptr + b * U1 + u, mask=row_ok, other=0)
-    return lse, occ, w_blank, w_label, label
-
-
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
-def _grad_fg_kernel(
-    f_ptr, g_ptr, w_ptr, bias_ptr, tgt_ptr, flen_ptr, tlen_ptr,
-    lse_ptr, occ_ptr, wb_ptr, wl_ptr, go_ptr, df_ptr, dg_ptr,
-    T, U1, H, V, blank, seed, drop_thr, scale, n_t_tiles,
-    BT: tl.constexpr, BU: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0)
-    t0 = tl.program_id(1) * BT
-    t_len = tl.load(flen_ptr + b)
-    u_len = tl.load(tlen_ptr + b)
-    if t0 < t_len:
-        go = tl.load(go_ptr + b)
-        m = tl.arange(0, BT * BU)
-        k = tl.arange(0, HP)
-        k_ok = k < H
-        df = tl.zeros((BT, HP), tl.float32)
-        for u0 in range(0, u_len + 1, BU):
-            t = t0 + m // BU
-            u = u0 + m % BU
-            row_ok = (t < t_len) & (u <= u_len)
-            h, gate = _joint_rows(f_ptr, g_ptr, b, t0, u0, t, u, row_ok, k, k_ok, T, U1, H, seed,
-                                  drop_thr, scale, BT, BU, DROPOUT)  # fmt: skip
-            h = h.to(w_ptr.dtype.element_ty)
-            lse, occ, w_blank, w_label, label = _cell_stats(
-                lse_ptr, occ_ptr, wb_ptr, wl_ptr, tgt_ptr, b, t, u, row_ok, T, U1
-            )
-            dh = tl.zeros((BT * BU, HP), tl.float32)
-            for n0 in range(0, V, BN):
-                cols = n0 + tl.arange(0, BN)
-                c_ok = cols < V
-                w = tl.load(w_ptr + cols[:, None] * H + k[None, :],
-                            mask=c_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-                bias = tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
-                d = _dlogits(h, w, bias, cols, c_ok, row_ok, label, lse, occ, w_blank, w_label,
-                             blank, DOT_PREC)  # fmt: skip
-                dh += tl.dot(d.to(w.dtype), w, input_precision=DOT_PREC)
-            dpre = tl.reshape(dh * gate, (BT, BU, HP))
-            df += tl.sum(dpre, axis=1)
-            uu = u0 + tl.arange(0, BU)
-            dg = tl.sum(dpre, axis=0) * go
-            tl.atomic_add(dg_ptr + (b * U1 + uu)[:, None] * H + k[None, :], dg,
-                          mask=(uu <= u_len)[:, None] & k_ok[None, :])  # fmt: skip
-        tt = t0 + tl.arange(0, BT)
-        tl.store(df_ptr + (b * T + tt)[:, None] * H + k[None, :], df * go,
-                 mask=(tt < t_len)[:, None] & k_ok[None, :])  # fmt: skip
-
-
-@triton.jit(do_not_specialize=_RUNTIME_INTS + ["n_u_tiles", "n_tiles", "n_splits"])
-def _grad_w_kernel(
-    f_ptr, g_ptr, w_ptr, bias_ptr, tgt_ptr, flen_ptr, tlen_ptr,
-    lse_ptr, occ_ptr, wb_ptr, wl_ptr, go_ptr, dw_ptr, dbias_ptr,
-    T, U1, H, V, blank, seed, drop_thr, scale, n_t_tiles, n_u_tiles, n_tiles, n_splits,
-    BT: tl.constexpr, BU: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
-    n0 = tl.program_id(0) * BN
-    split = tl.program_id(1)
-    cols = n0 + tl.arange(0, BN)
-    c_ok = cols < V
-    k = tl.arange(0, HP)
-    k_ok = k < H
-    w = tl.load(w_ptr + cols[:, None] * H + k[None, :], mask=c_ok[:, None] & k_ok[None, :],
-                other=0.0)  # fmt: skip
-    bias = tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
-    dw = tl.zeros((BN, HP), tl.float32)
-    dbias = tl.zeros((BN,), tl.float32)
-    m = tl.arange(0, BT * BU)
-    per_utt = n_t_tiles * n_u_tiles
-    for idx in range(split, n_tiles, n_splits):
-        b = idx // per_utt
-        t0 = (idx % per_utt) // n_u_tiles * BT
-        u0 = (idx % n_u_tiles) * BU
-        t_len = tl.load(flen_ptr + b)
-        u_len = tl.load(tlen_ptr + b)
-        if (t0 < t_len) & (u0 <= u_len):
-            t = t0 + m // BU
-            u = u0 + m % BU
-            row_ok = (t < t_len) & (u <= u_len)
-            h, _ = _joint_rows(f_ptr, g_ptr, b, t0, u0, t, u, row_ok, k, k_ok, T, U1, H, seed,
-                               drop_thr, scale, BT, BU, DROPOUT)  # fmt: skip
-            h = h.to(w_ptr.dtype.element_ty)
-            lse, occ, w_blank, w_label, label = _cell_stats(
-                lse_ptr, occ_ptr, wb_ptr, wl_ptr, tgt_ptr, b, t, u, row_ok, T, U1
-            )
-            d = _dlogits(h, w, bias, cols, c_ok, row_ok, label, lse, occ, w_blank, w_label,
-                         blank, DOT_PREC)  # fmt: skip
-            go = tl.load(go_ptr + b)
-            dw += tl.dot(tl.trans(d.to(h.dtype)), h, input_precision=DOT_PREC) * go
-            dbias += tl.sum(d, axis=0) * go
-    out = split * V + cols
-    tl.store(dw_ptr + out[:, None] * H + k[None, :], dw, mask=c_ok[:, None] & k_ok[None, :])
-    tl.store(dbias_ptr + out, dbias, mask=c_ok)
-
-
-@triton.jit
 def _keep_mask_kernel(out_ptr, seed, T, U1, H, drop_thr, BU: tl.constexpr, HP: tl.constexpr):
     b = tl.program_id(0)
     t = tl.program_id(1)
@@ -342,17 +137,172 @@ def _keep_mask_kernel(out_ptr, seed, T, U1, H, drop_thr, BU: tl.constexpr, HP: t
     tl.store(out_ptr + ((b * T + t) * U1 + u)[:, None] * H + k[None, :], keep.to(tl.int8), mask=ok)
 
 
+@triton.jit(do_not_specialize=["T", "U1", "seed", "b0"])
+def _hidden_kernel(
+    f_ptr, g_ptr, flen_ptr, tlen_ptr, h_ptr, b0, T, U1, H, seed, drop_thr, scale,
+    BU: tl.constexpr, HP: tl.constexpr, DROPOUT: tl.constexpr,
+):  # fmt: skip
+    """h rows of one frame: h[(b - b0, t, u)] = dropout(relu(f[b, t] + g[b, u])), 0 outside."""
+    pid = tl.program_id(0)
+    b = b0 + pid // T
+    t = pid % T
+    u = tl.program_id(1) * BU + tl.arange(0, BU)
+    k = tl.arange(0, HP)
+    k_ok = k < H
+    t_len = tl.load(flen_ptr + b)
+    u_len = tl.load(tlen_ptr + b)
+    row_ok = (u <= u_len) & (t + 0 * u < t_len)
+    # f and g are read whatever the lengths (padding is finite, zeroed below): these loads
+    # then do not wait for the lengths' loads.
+    fv = tl.load(f_ptr + (b * T + t).to(tl.int64) * H + k, mask=k_ok, other=0.0)
+    gv = tl.load(g_ptr + (b * U1 + u).to(tl.int64)[:, None] * H + k[None, :],
+                 mask=(u < U1)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+    h = tl.maximum(fv.to(tl.float32)[None, :] + gv.to(tl.float32), 0.0)
+    if DROPOUT:
+        keep = _keep(seed, b, t + 0 * u, u, k, U1, H, drop_thr)
+        h = tl.where(keep, h * scale, 0.0)
+    h = tl.where(row_ok[:, None], h, 0.0)
+    row = (pid * U1 + u).to(tl.int64)
+    tl.store(h_ptr + row[:, None] * H + k[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=(u < U1)[:, None] & k_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _rows(r, row0, n_rows, flen_ptr, tlen_ptr, tgt_ptr, T, U1):
+    """Lattice cells of chunk rows r (int64): (cell, utterance, valid, target label)."""
+    cell = row0 + r
+    b = cell // (T * U1)
+    t = (cell // U1) % T
+    u = cell % U1
+    in_chunk = r < n_rows
+    t_len = tl.load(flen_ptr + b, mask=in_chunk, other=0)
+    u_len = tl.load(tlen_ptr + b, mask=in_chunk, other=0)
+    valid = in_chunk & (t < t_len) & (u <= u_len)
+    label = tl.load(tgt_ptr + b * U1 + u, mask=valid, other=0)
+    return cell, b, valid, label
+
+
+@triton.jit(do_not_specialize=["T", "U1", "row0", "n_rows"])
+def _logit_stats_kernel(
+    logits_ptr, bias_ptr, tgt_ptr, flen_ptr, tlen_ptr, lse_ptr, blank_ptr, label_ptr,
+    row0, n_rows, T, U1, V, blank, BR: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """Per lattice row: log-sum-exp over the classes, the blank logit and the target logit.
+
+    Persistent: program p takes blocks p, p + P, ... of BR whole rows (BN >= V), so each logit
+    is read once with no online rescale; the blank and target logits are two gathers.
+    """
+    cols = tl.arange(0, BN)
+    c_ok = cols < V
+    bias = tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+    bias_blank = tl.load(bias_ptr + blank).to(tl.float32)
+    for blk in range(tl.program_id(0), tl.cdiv(n_rows, BR), tl.num_programs(0)):
+        r = (blk * BR + tl.arange(0, BR)).to(tl.int64)
+        cell, _, valid, label = _rows(r, row0, n_rows, flen_ptr, tlen_ptr, tgt_ptr, T, U1)
+        # Rows outside the lattice hold finite values (h = 0 there): loading them without the
+        # lengths' mask keeps this load off the lengths' load latency.
+        s = tl.load(logits_ptr + r[:, None] * V + cols[None, :],
+                    mask=(r < n_rows)[:, None] & c_ok[None, :], other=0.0)  # fmt: skip
+        s = tl.where(c_ok[None, :], s.to(tl.float32) + bias[None, :], _KNEG)
+        top = tl.max(s, axis=1)
+        lse = top + tl.log(tl.sum(tl.exp(s - top[:, None]), axis=1))
+        tl.store(lse_ptr + cell, lse, mask=valid)
+        s_blank = tl.load(logits_ptr + r * V + blank, mask=valid, other=0.0).to(tl.float32)
+        tl.store(blank_ptr + cell, s_blank + bias_blank, mask=valid)
+        s_label = tl.load(logits_ptr + r * V + label, mask=valid, other=0.0).to(tl.float32)
+        s_label += tl.load(bias_ptr + label, mask=valid, other=0.0).to(tl.float32)
+        tl.store(label_ptr + cell, s_label, mask=valid)
+
+
+@triton.jit(do_not_specialize=["T", "U1", "row0", "n_rows"])
+def _dlogits_kernel(
+    logits_ptr, dl_ptr, bias_ptr, tgt_ptr, flen_ptr, tlen_ptr, lse_ptr, occ_ptr, wb_ptr,
+    wl_ptr, ratio_ptr, dbias_ptr, row0, n_rows, T, U1, V, blank,
+    BR: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """d loss / d logits = ratio_b (occupancy softmax - blank / label posteriors), 0 outside,
+    and this program's column sums of it (its d bias share, one row of `dbias_ptr`).
+
+    Persistent: program p takes blocks p, p + P, ... of BR whole rows. `dl_ptr` may alias
+    `logits_ptr` (same dtype): each element is read before it is written.
+    """
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BN)
+    c_ok = cols < V
+    bias = tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+    col_sum = tl.zeros((BR, BN), tl.float32)  # reduced over rows once, at the end
+    for blk in range(pid, tl.cdiv(n_rows, BR), tl.num_programs(0)):
+        r = (blk * BR + tl.arange(0, BR)).to(tl.int64)
+        cell, b, valid, label = _rows(r, row0, n_rows, flen_ptr, tlen_ptr, tgt_ptr, T, U1)
+        # Loads that do not wait for the lengths: rows outside the lattice hold finite values
+        # (h = 0, occupancy 0) and are zeroed below.
+        in_chunk = r < n_rows
+        s = tl.load(logits_ptr + r[:, None] * V + cols[None, :],
+                    mask=in_chunk[:, None] & c_ok[None, :], other=0.0)  # fmt: skip
+        lse = tl.load(lse_ptr + cell, mask=in_chunk, other=0.0)
+        ratio = tl.load(ratio_ptr + b, mask=in_chunk, other=0.0)
+        occ = tl.load(occ_ptr + cell, mask=in_chunk, other=0.0) * ratio
+        w_blank = tl.load(wb_ptr + cell, mask=in_chunk, other=0.0) * ratio
+        w_label = tl.load(wl_ptr + cell, mask=in_chunk, other=0.0) * ratio
+        ok = valid[:, None] & c_ok[None, :]
+        d = tl.exp(s.to(tl.float32) + bias[None, :] - lse[:, None]) * occ[:, None]
+        d -= tl.where(cols[None, :] == blank, w_blank[:, None], 0.0)
+        d -= tl.where(cols[None, :] == label[:, None], w_label[:, None], 0.0)
+        d = tl.where(ok, d, 0.0)
+        col_sum += d
+        tl.store(dl_ptr + r[:, None] * V + cols[None, :], d.to(dl_ptr.dtype.element_ty),
+                 mask=(r < n_rows)[:, None] & c_ok[None, :])  # fmt: skip
+    tl.store(dbias_ptr + pid * V + cols, tl.sum(col_sum, axis=0), mask=c_ok)
+
+
+@triton.jit(do_not_specialize=["T", "U1", "b0", "B", "t_per_split"])
+def _grad_fg_kernel(
+    dh_ptr, h_ptr, flen_ptr, tlen_ptr, df_ptr, dg_part_ptr, b0, B, T, U1, H, t_per_split,
+    BU: tl.constexpr, BK: tl.constexpr, ATOMIC_DF: tl.constexpr,
+):  # fmt: skip
+    """df[b, t] = sum_u dpre[b, t, u] and per frame-split partials of dg[b, u] = sum_t
+    dpre[b, t, u], with dpre = dh * relu'.
+
+    h holds dropout(relu(.)) * scale, so h > 0 is exactly where the gate is open (the gate's
+    value, `scale`, is applied by the caller). Program (utterance, H-slice, split x U-tile)
+    walks its frames; df is stored directly when one U-tile covers U+1 (no atomics), and the
+    dg partials (splits, B, U+1, H) are summed by the caller (deterministic).
+    """
+    pid = tl.program_id(0)
+    b = b0 + pid
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    n_u_tiles = tl.cdiv(U1, BU)
+    split = tl.program_id(2) // n_u_tiles
+    u = (tl.program_id(2) % n_u_tiles) * BU + tl.arange(0, BU)
+    k_ok = k < H
+    t_len = tl.load(flen_ptr + b)
+    u_len = tl.load(tlen_ptr + b)
+    ok = (u <= u_len)[:, None] & k_ok[None, :]
+    dg = tl.zeros((BU, BK), tl.float32)
+    t_start = split * t_per_split
+    for t in range(t_start, tl.minimum(t_start + t_per_split, t_len)):
+        row = ((pid * T + t) * U1 + u).to(tl.int64)
+        offs = row[:, None] * H + k[None, :]
+        dh = tl.load(dh_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        h = tl.load(h_ptr + offs, mask=ok, other=0.0)
+        dpre = tl.where(h > 0, dh, 0.0)
+        dg += dpre
+        df_offs = (b * T + t).to(tl.int64) * H + k
+        if ATOMIC_DF:
+            tl.atomic_add(df_ptr + df_offs, tl.sum(dpre, axis=0), mask=k_ok)
+        else:
+            tl.store(df_ptr + df_offs, tl.sum(dpre, axis=0), mask=k_ok)
+    out = ((split * B + b) * U1 + u).to(tl.int64)
+    tl.store(dg_part_ptr + out[:, None] * H + k[None, :], dg,
+             mask=(u < U1)[:, None] & k_ok[None, :])  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------
 # Host side
 
 
 def _hp(h: int) -> int:
     return max(16, triton.next_power_of_2(h))
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs get true fp32 products (TF32 would miss the 1e-4 parity with the reference)
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _threshold(p: float) -> int:
@@ -369,12 +319,42 @@ def dropout_keep_mask(seed: int, b: int, t: int, u1: int, h: int, p: float, devi
     return out.bool()
 
 
-def _num_splits(device: torch.device, n_v_tiles: int, n_tiles: int) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 2
-    return max(1, min(n_tiles, triton.cdiv(GRAD_W_PROGRAMS_PER_SM * sms, n_v_tiles)))
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with fp32 output: half inputs keep tensor-core speed, the sum keeps fp32 range."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+class _Chunks:
+    """Lattice rows in chunks of whole utterances, with the per-chunk buffers reused.
+
+    A chunk of `bc` utterances has bc * T * (U+1) rows of h (H wide) and of logits (V wide):
+    the only buffers proportional to H or V, bounded by CHUNK_BYTES whatever the batch.
+    """
+
+    def __init__(self, bsz, t_max, u1, hid, v, dtype, device, backward):
+        logits_dtype = _logits_dtype(dtype)
+        separate_dl = backward and logits_dtype != dtype
+        per_row = (hid * dtype.itemsize * (2 if backward else 1) + v * logits_dtype.itemsize
+                   + (v * dtype.itemsize if separate_dl else 0))  # fmt: skip
+        self.per_utt = t_max * u1
+        self.bc = max(1, min(bsz, CHUNK_BYTES // (per_row * self.per_utt)))
+        rows = self.bc * self.per_utt
+        self.bsz = bsz
+        self.h = torch.empty(rows, hid, dtype=dtype, device=device)
+        self.logits = torch.empty(rows, v, dtype=logits_dtype, device=device)
+        # d(logits) overwrite the logits in place unless those are wider (bf16 inputs)
+        self.dl = torch.empty(rows, v, dtype=dtype, device=device) if separate_dl else self.logits
+        self.dh = torch.empty(rows, hid, dtype=dtype, device=device) if backward else self.h
+
+    def __iter__(self):
+        for b0 in range(0, self.bsz, self.bc):
+            bc = min(self.bc, self.bsz - b0)
+            n = bc * self.per_utt
+            yield b0, bc, n, self.h[:n], self.logits[:n], self.dl[:n], self.dh[:n]
 
 
 class _FusedJointLoss(torch.autograd.Function):
@@ -391,22 +371,24 @@ class _FusedJointLoss(torch.autograd.Function):
         tgt[:, : u1 - 1] = targets.clamp(0, v - 1)
         dropout = p_drop > 0.0
         scale = 1.0 / (1.0 - p_drop) if dropout else 1.0
-        drop_thr = _threshold(p_drop)
-        prec = _dot_precision(weight.dtype)
-        hp = _hp(hid)
+        consts = (seed, _threshold(p_drop), scale, dropout)
 
         lse = torch.zeros(bsz, t_max, u1, dtype=torch.float32, device=dev)
         blank_logit = torch.zeros_like(lse)
         label_logit = torch.zeros_like(lse)
-        tiles = TILES[weight.element_size()]
-        bt, bu, bn, warps = tiles["fwd"]
-        n_t_tiles = triton.cdiv(t_max, bt)
-        _forward_kernel[(bsz * n_t_tiles, triton.cdiv(u1, bu))](
-            f, g, weight, bias, tgt, f_lens, target_lens, lse, blank_logit, label_logit,
-            t_max, u1, hid, v, blank, seed, drop_thr, scale, n_t_tiles,
-            BT=bt, BU=bu, BN=bn, HP=hp, DROPOUT=dropout, DOT_PREC=prec,
-            num_warps=warps, num_stages=NUM_STAGES,
-        )  # fmt: skip
+        chunks = _Chunks(bsz, t_max, u1, hid, v, f.dtype, dev, backward=False)
+        w_t = weight.t()
+        br, bn = _row_tile(v)
+        programs = _row_programs(chunks.bc * t_max * u1, br, STATS_PROGRAMS_PER_SM, dev)
+        for b0, bc, n, h, logits, _, _ in chunks:
+            _hidden(f, g, f_lens, target_lens, h, b0, bc, *consts)
+            _logits(h, w_t, logits)
+            _logit_stats_kernel[(programs,)](
+                logits, bias, tgt, f_lens, target_lens, lse, blank_logit, label_logit,
+                b0 * t_max * u1, n, t_max, u1, v, blank,
+                BR=br, BN=bn, num_warps=ROW_WARPS,
+            )  # fmt: skip
+        del chunks
         lp_blank = blank_logit - lse
         lp_label = label_logit - lse
         alpha = torch.full_like(lse, _NEG)
@@ -418,52 +400,101 @@ class _FusedJointLoss(torch.autograd.Function):
         )  # fmt: skip
         ctx.save_for_backward(f, g, weight, bias, f_lens, target_lens, tgt, lse, lp_blank,
                               lp_label, alpha, beta, log_lik)  # fmt: skip
-        ctx.consts = (blank, drop_thr, scale, seed, dropout, prec, hp)
+        ctx.consts = (blank, consts)
         return -log_lik
 
     @staticmethod
     def backward(ctx, grad_nll):
         (f, g, weight, bias, f_lens, target_lens, tgt, lse, lp_blank, lp_label, alpha, beta,
          log_lik) = ctx.saved_tensors  # fmt: skip
-        blank, drop_thr, scale, seed, dropout, prec, hp = ctx.consts
+        blank, consts = ctx.consts
         bsz, t_max, hid = f.shape
         u1 = g.shape[1]
         v = weight.shape[0]
+        dev = f.device
         occ, w_blank, w_label = _transition_weights(
             alpha, beta, lp_blank, lp_label, log_lik, f_lens, target_lens
         )
-        go = grad_nll.float().contiguous()
-        args = (f, g, weight, bias, tgt, f_lens, target_lens, lse, occ, w_blank, w_label, go)
-        consts = (t_max, u1, hid, v, blank, seed, drop_thr, scale)
+        # The kernels work on ratio_b = go_b / max|go| so that half-precision d(logits) stay in
+        # [-1, 1] and never shrink into subnormals under a 1/B mean; max|go| is applied to the
+        # fp32 results at the end (a device tensor: no host sync).
+        go = grad_nll.float()
+        go_max = go.abs().amax().clamp_min(1e-30)
+        ratio = (go / go_max).contiguous()
 
-        df = torch.zeros(bsz, t_max, hid, dtype=torch.float32, device=f.device)
-        dg = torch.zeros(bsz, u1, hid, dtype=torch.float32, device=f.device)
-        tiles = TILES[weight.element_size()]
-        bt, bu, bn, warps = tiles["grad_fg"]
-        n_t_tiles = triton.cdiv(t_max, bt)
-        _grad_fg_kernel[(bsz, n_t_tiles)](
-            *args, df, dg, *consts, n_t_tiles,
-            BT=bt, BU=bu, BN=bn, HP=hp, DROPOUT=dropout, DOT_PREC=prec,
-            num_warps=warps, num_stages=NUM_STAGES,
-        )  # fmt: skip
+        sms = _num_sms(dev)
+        chunks = _Chunks(bsz, t_max, u1, hid, v, f.dtype, dev, backward=True)
+        br, bn = _row_tile(v)
+        dl_programs = _row_programs(chunks.bc * t_max * u1, br, DLOGITS_PROGRAMS_PER_SM, dev)
+        bu = min(MAX_FG_U_TILE, max(16, triton.next_power_of_2(u1)))
+        fg_tiles = chunks.bc * triton.cdiv(hid, FG_H_TILE) * triton.cdiv(u1, bu)
+        splits = max(1, min(t_max, triton.cdiv(FG_PROGRAMS_PER_SM * sms, fg_tiles)))
+        t_per_split = triton.cdiv(t_max, splits)
 
-        bt, bu, bn, warps = tiles["grad_w"]
-        n_t_tiles = triton.cdiv(t_max, bt)
-        n_u_tiles = triton.cdiv(u1, bu)
-        n_tiles = bsz * n_t_tiles * n_u_tiles
-        n_v_tiles = triton.cdiv(v, bn)
-        splits = _num_splits(f.device, n_v_tiles, n_tiles)
-        dw = torch.empty(splits, v, hid, dtype=torch.float32, device=f.device)
-        dbias = torch.empty(splits, v, dtype=torch.float32, device=f.device)
-        _grad_w_kernel[(n_v_tiles, splits)](
-            *args, dw, dbias, *consts, n_t_tiles, n_u_tiles, n_tiles, splits,
-            BT=bt, BU=bu, BN=bn, HP=hp, DROPOUT=dropout, DOT_PREC=prec,
-            num_warps=warps, num_stages=NUM_STAGES,
-        )  # fmt: skip
+        dw = torch.zeros(v, hid, dtype=torch.float32, device=dev)
+        dbias_part = torch.empty(dl_programs, v, dtype=torch.float32, device=dev)
+        dbias = torch.zeros(v, dtype=torch.float32, device=dev)
+        df = torch.zeros(bsz, t_max, hid, dtype=torch.float32, device=dev)
+        dg_part = torch.empty(splits, bsz, u1, hid, dtype=torch.float32, device=dev)
+        w_t = weight.t()
+        for b0, bc, n, h, logits, dl, dh in chunks:
+            _hidden(f, g, f_lens, target_lens, h, b0, bc, *consts)
+            _logits(h, w_t, logits)
+            _dlogits_kernel[(dl_programs,)](
+                logits, dl, bias, tgt, f_lens, target_lens, lse, occ, w_blank, w_label, ratio,
+                dbias_part, b0 * t_max * u1, n, t_max, u1, v, blank,
+                BR=br, BN=bn, num_warps=ROW_WARPS,
+            )  # fmt: skip
+            dbias += dbias_part.sum(0)
+            dw += _mm_fp32(dl.t(), h)
+            torch.mm(dl, weight, out=dh)
+            _grad_fg_kernel[(bc, triton.cdiv(hid, FG_H_TILE), splits * triton.cdiv(u1, bu))](
+                dh, h, f_lens, target_lens, df, dg_part, b0, bsz, t_max, u1, hid, t_per_split,
+                BU=bu, BK=FG_H_TILE, ATOMIC_DF=u1 > bu,
+            )  # fmt: skip
+        dg = dg_part.sum(0)
+        gate = go_max * consts[2]
         return (
-            df.to(f.dtype), dg.to(g.dtype), dw.sum(0).to(weight.dtype),
-            dbias.sum(0).to(bias.dtype), None, None, None, None, None, None,
+            (df * gate).to(f.dtype), (dg * gate).to(g.dtype), (dw * go_max).to(weight.dtype),
+            (dbias * go_max).to(bias.dtype), None, None, None, None, None, None,
         )  # fmt: skip
+
+
+def _logits_dtype(dtype: torch.dtype) -> torch.dtype:
+    # bf16 logits (8-bit mantissa) would cost ~0.05 in a logit of 10; fp16 ones ~0.005.
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
+def _hidden(f, g, f_lens, target_lens, h, b0, bc, seed, drop_thr, scale, dropout):
+    t_max, hid = f.shape[1], f.shape[2]
+    u1 = g.shape[1]
+    _hidden_kernel[(bc * t_max, triton.cdiv(u1, HIDDEN_U_TILE))](
+        f, g, f_lens, target_lens, h, b0, t_max, u1, hid, seed, drop_thr, scale,
+        BU=HIDDEN_U_TILE, HP=_hp(hid), DROPOUT=dropout, num_warps=HIDDEN_WARPS,
+    )  # fmt: skip
+
+
+def _row_tile(v: int) -> tuple[int, int]:
+    """(rows, classes) of a row-wise tile: whole rows, classes padded to a power of two."""
+    bn = max(16, triton.next_power_of_2(v))
+    return max(1, ROW_TILE // bn), bn
+
+
+def _row_programs(rows: int, br: int, per_sm: int, device: torch.device) -> int:
+    return max(1, min(triton.cdiv(rows, br), per_sm * _num_sms(device)))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _logits(h, w_t, out):
+    if out.dtype == h.dtype:
+        torch.mm(h, w_t, out=out)
+    else:
+        out.copy_(_mm_fp32(h, w_t))
 
 
 def _transition_weights(alpha, beta, lp_blank, lp_label, log_lik, f_lens, target_lens):

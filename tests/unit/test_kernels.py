@@ -95,6 +95,31 @@ def test_fused_matches_reference_without_dropout(name):
     assert_matches(fused(*case), reference(*case), rel=1e-4)
 
 
+def test_chunked_lattice_and_split_label_tiles_match_the_reference(monkeypatch):
+    case = make_case(lens=[(4, 20), (3, 17), (5, 2)], u_max=20, hid=16, vocab=11)
+    want = reference(*case)
+    monkeypatch.setattr(jl, "CHUNK_BYTES", 1)  # one utterance per chunk
+    assert jl._Chunks(3, 5, 21, 16, 11, torch.float32, DEVICE, backward=True).bc == 1
+    monkeypatch.setattr(jl, "MAX_FG_U_TILE", 16)  # U+1 = 21: two label tiles, df by atomics
+    monkeypatch.setattr(jl, "ROW_TILE", 32)  # 2 rows per tile: d(logits) programs loop blocks
+    assert_matches(fused(*case), want, rel=1e-4)
+
+
+def test_per_utterance_output_gradients_are_honoured():
+    # Not a uniform 1/B: the kernels scale by go_b / max|go|, including a zero and a negative.
+    leaves, f_lens, targets, target_lens = make_case(**CASES["ragged"])
+    weights = torch.tensor([0.5, 0.0, -2.0], device=DEVICE)
+    nll = jl.fused_joint_loss(*leaves, f_lens, targets, target_lens, 36)
+    got = torch.autograd.grad((nll * weights).sum(), leaves)
+    ref_leaves = [x.detach().float().requires_grad_(True) for x in leaves]
+    f, g, weight, bias = ref_leaves
+    logits = torch.relu(f.unsqueeze(2) + g.unsqueeze(1)) @ weight.T + bias
+    ref = rnnt_loss_reference(logits, targets, f_lens, target_lens, 36)
+    want = torch.autograd.grad((ref * weights).sum(), ref_leaves)
+    for name, a, b in zip(("f", "g", "W", "bias"), got, want, strict=True):
+        assert_rel(a, b, 1e-4, f"grad {name}")
+
+
 def test_fused_matches_reference_with_the_same_dropout_mask():
     p, seed = 0.3, 1234
     leaves, f_lens, targets, target_lens = case = make_case(**CASES["ragged"])
