@@ -47,8 +47,6 @@ class _FlatGroup:
         self.shapes = [p.shape for p in params]
         self.sizes = [p.numel() for p in params]
         self.numel = sum(self.sizes)
-        # repeats[i] = elements of parameter i: expands per-tensor scales to per-element (n,)
-        self.repeats = torch.tensor(self.sizes, dtype=torch.int64, device=device)
         self.exp_avg = torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.grad = torch.empty(self.numel, dtype=torch.float32, device=device)
@@ -236,8 +234,10 @@ class Lamb(torch.optim.Optimizer):
             scale = trust * group["lr"]
             if keep is not None:
                 scale = scale * keep
-            scale = torch.repeat_interleave(scale, flat.repeats, output_size=flat.numel)
-            w.addcmul_(scale, update, value=-1.0)
+            # Per-tensor scales applied to the views: repeat_interleave to a per-element (n,)
+            # scale cost 9 ms per step for the 49M model on an H200 (an index search + gather).
+            torch._foreach_mul_(update.split(flat.sizes), list(scale.unbind()))
+            w.sub_(update)
             torch._foreach_copy_(list(params), flat.views(w))
 
     # ------------------------------------------------------------------------------ state
