@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--loss-backend",
         default=None,
-        help="loss backend (default: torchaudio on CUDA, reference on CPU)",
+        help="loss backend (default: fused on CUDA, reference on CPU)",
     )
     parser.add_argument(
         "--lengths-tsv",
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type != "cuda" and any(n > 0 for n in args.num_cg):
         parser.error("--num-cg > 0 needs a CUDA device")
     if args.loss_backend is None:
-        args.loss_backend = "torchaudio" if device.type == "cuda" else "reference"
+        args.loss_backend = "fused" if device.type == "cuda" else "reference"
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     cfg = load_config(args.config, args.overrides)

@@ -159,6 +159,13 @@ def test_transducer_loss_fused_backend_equals_reference_backend():
         assert_rel(a, b, 1e-4, "grad")
 
 
+def test_fused_on_cpu_tensors_without_the_interpreter_names_the_cpu_backend(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    leaves, f_lens, targets, target_lens = make_case(**CASES["edges"], device="cpu")
+    with pytest.raises(RuntimeError, match="loss.backend=reference on CPU"):
+        jl.fused_joint_loss(*leaves, f_lens, targets, target_lens, blank=9)
+
+
 def test_fused_rejects_mixed_dtypes_and_bad_dropout():
     leaves, f_lens, targets, target_lens = make_case(**CASES["edges"])
     with pytest.raises(TypeError, match="one dtype"):
