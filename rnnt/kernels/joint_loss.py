@@ -24,7 +24,8 @@ blank/label posteriors, cuBLAS forms dW += d(logits)^T h (fp32 output) and dh = 
 rows x H x V per step, the minimum with recomputation; everything else is one pass over memory.
 
 Measured on one H200 (fp16, dropout 0.3, torch 2.11, Triton 3.6) at (B, T, U) = (192, 204, 44):
-19.0 ms forward + backward, 1.29 GiB extra (torchaudio's padded joint + loss: 67 ms, 11 GiB).
+19.0-19.5 ms forward + backward across runs, 1.29 GiB extra (torchaudio's padded joint +
+loss: 67 ms, 11 GiB).
 The four GEMMs take 9.4 ms at ~720 TFLOP/s; the memory-bound kernels the rest (d(logits)
 3.3 ms, h 2.1 ms, df/dg 1.5 ms, logit stats 1.3 ms). Two fused designs measured slower:
   - one Triton kernel with the logits only in registers (the previous version of this file):
@@ -497,7 +498,7 @@ def _row_programs(rows: int, br: int, per_sm: int, device: torch.device) -> int:
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 2
+        return 2  # the CPU interpreter: a small count still exercises multi-program paths
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -505,6 +506,8 @@ def _logits(h, w_t, out):
     if out.dtype == h.dtype:
         torch.mm(h, w_t, out=out)
     else:
+        # bf16: the fp32 product is a temporary of the chunk's logits size, so a bf16 step
+        # holds about one more logits chunk than CHUNK_BYTES accounts for.
         out.copy_(_mm_fp32(h, w_t))
 
 
