@@ -1,6 +1,6 @@
 """Joint network + RNN-T loss, forward and backward: time and peak extra memory per backend.
 
-    python bench/joint_loss.py [--backends torchaudio reference fused] [--dtype fp16]
+    python bench/joint_loss.py [--backends torchaudio reference fused fused-packed] [--dtype fp16]
                                [--repeats 10] [--json results/bench_joint_loss.json]
 
 Shapes (B, T, U) with T in encoder frames (after stack time): the typical MLPerf batch
@@ -14,6 +14,8 @@ padded torchaudio joint at the longest shapes) is recorded in the table instead 
 run. Times are medians over `--repeats` of CUDA-event timings of loss + backward (all of f, g,
 W, bias get gradients); memory is the peak allocated during those steps minus what was allocated
 before (inputs, weights). The joint is in training mode (dropout 0.3) for every backend.
+`fused` computes the padded (B, T_max, U_max + 1) box; `fused-packed` is the same backend given
+the lengths on the host (as the trainer does), so it computes only the lattice cells.
 """
 
 from __future__ import annotations
@@ -87,10 +89,14 @@ def run_one(
     f_lens = torch.tensor([t for t, _ in lens], device=dev)
     target_lens = torch.tensor([u for _, u in lens], device=dev)
     targets = torch.randint(0, cfg.blank_idx, (bsz, u_max), device=dev)
-    loss_fn = TransducerLoss(backend, cfg.blank_idx)
+    # fused-packed: the fused backend given the lengths on the host (as the trainer does), so
+    # it computes only the sum_b T_b (U_b + 1) lattice rows; plain fused computes the box.
+    packed = backend == "fused-packed"
+    loss_fn = TransducerLoss("fused" if packed else backend, cfg.blank_idx)
+    host_lens = ([t for t, _ in lens], [u for _, u in lens]) if packed else None
 
     def step():
-        loss = loss_fn(joint, f, g, f_lens, targets, target_lens)
+        loss = loss_fn(joint, f, g, f_lens, targets, target_lens, host_lens=host_lens)
         loss.backward()
         f.grad = g.grad = None
         joint.zero_grad(set_to_none=True)
@@ -140,7 +146,9 @@ def worker(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", nargs="+", default=["torchaudio", "reference", "fused"])
+    parser.add_argument(
+        "--backends", nargs="+", default=["torchaudio", "reference", "fused", "fused-packed"]
+    )
     parser.add_argument("--shapes", nargs="+", default=[*FIXED_SHAPES, RAGGED])
     parser.add_argument("--dtype", choices=DTYPES, default="fp16")
     parser.add_argument("--repeats", type=int, default=10)
@@ -185,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             print(_format_row(row), flush=True)
 
     print()
-    print(f"{'shape':<24} {'backend':<11} {'median ms':>10} {'extra GiB':>10}  status")
+    print(f"{'shape':<24} {'backend':<13} {'median ms':>10} {'extra GiB':>10}  status")
     for row in rows:
         print(_format_row(row))
     out = Path(args.json)
@@ -204,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _format_row(row: dict) -> str:
     if row.get("status") == "ok":
-        return (f"{row['shape']:<24} {row['backend']:<11} {row['median_ms']:>10.2f} "
+        return (f"{row['shape']:<24} {row['backend']:<13} {row['median_ms']:>10.2f} "
                 f"{row['extra_gib']:>10.3f}  ok")  # fmt: skip
-    return f"{row['shape']:<24} {row['backend']:<11} {'-':>10} {'-':>10}  {row['error']}"
+    return f"{row['shape']:<24} {row['backend']:<13} {'-':>10} {'-':>10}  {row['error']}"
 
 
 if __name__ == "__main__":

@@ -101,9 +101,17 @@ class StepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         self.ema.update(self.optimizer.master_params())
 
-    def step(self, x, x_lens, y, y_lens) -> torch.Tensor:
+    def host_lens(self, spliced_lens: torch.Tensor | None, y_lens_host: torch.Tensor | None):
+        """The loss's host lengths (encoder frames, tokens), as the trainer derives them."""
+        if spliced_lens is None:
+            return None
+        return self.model.encoded_lengths(spliced_lens).tolist(), y_lens_host.tolist()
+
+    def step(self, x, x_lens, y, y_lens, host=(None, None)) -> torch.Tensor:
         f, f_lens, g = self.encode_predict(x, x_lens, y)
-        loss = self.loss_fn(self.model.joint, f, g, f_lens, y, y_lens)
+        loss = self.loss_fn(
+            self.model.joint, f, g, f_lens, y, y_lens, host_lens=self.host_lens(*host)
+        )
         self.scaler.scale(loss).backward()
         self.update()
         # the scale stays a device tensor: GradScaler.get_scale() would sync with .item()
@@ -121,9 +129,11 @@ class StepRunner:
             p.grad = zero
         self.update()
 
-    def joint_and_loss(self, f, g, f_lens, y, y_lens) -> None:
+    def joint_and_loss(self, f, g, f_lens, y, y_lens, host=(None, None)) -> None:
         """Joint + loss forward and backward on fixed joint inputs (leaves that need grad)."""
-        loss = self.loss_fn(self.model.joint, f, g, f_lens, y, y_lens)
+        loss = self.loss_fn(
+            self.model.joint, f, g, f_lens, y, y_lens, host_lens=self.host_lens(*host)
+        )
         self.scaler.scale(loss).backward()
 
 
@@ -214,7 +224,9 @@ def synthetic_batches(
         if args.average_lengths:
             fb = _at_average_lengths(fb, source)
         mb = transform(fb)
-        out.append((mb.feats, mb.feat_lens, mb.tokens, mb.token_lens))
+        # Without host lengths the fused loss computes the padded (B, T, U+1) box.
+        host = (None, None) if args.padded_loss else mb.host_lens
+        out.append((mb.feats, mb.feat_lens, mb.tokens, mb.token_lens, host))
     return out, source
 
 
@@ -229,7 +241,8 @@ def _at_average_lengths(fb: FeatureBatch, source: SyntheticFeatureSource) -> Fea
     vocab = source.random_ids_below or max(max(t) for t in source.tokens) + 1
     ids = torch.randint(1, vocab, (b, tokens), generator=gen, device=fb.feats.device)
     full = torch.full((b,), frames, dtype=torch.int64, device=fb.feats.device)
-    return FeatureBatch(feats, full, ids, torch.full_like(full, tokens))
+    host = (torch.full((b,), frames), torch.full((b,), tokens))
+    return FeatureBatch(feats, full, ids, torch.full_like(full, tokens), host_lens=host)
 
 
 def bench_one(cfg: Config, args, batch_size: int, num_cg: int, peak: float) -> dict:
@@ -261,12 +274,12 @@ def bench_one(cfg: Config, args, batch_size: int, num_cg: int, peak: float) -> d
     # the parts, on the same batches: joint + loss on fixed joint inputs, and the rest with
     # fixed output gradients in place of the joint's
     joint_ms, rest_ms = [], []
-    for x, x_lens, y, y_lens in batches[args.warmup :]:
+    for x, x_lens, y, y_lens, host in batches[args.warmup :]:
         with torch.no_grad():
             f, f_lens, g = runner.encode_predict(x, x_lens, y)
         f = f.detach().clone().requires_grad_()
         g = g.detach().clone().requires_grad_()
-        joint_ms.append(timer(runner.joint_and_loss, f, g, f_lens, y, y_lens))
+        joint_ms.append(timer(runner.joint_and_loss, f, g, f_lens, y, y_lens, host))
         runner.optimizer.zero_grad(set_to_none=True)
         grads = (torch.randn_like(f) * 1e-3, torch.randn_like(g) * 1e-3)
         rest_ms.append(timer(runner.step_without_joint, x, x_lens, y, grads))
@@ -279,6 +292,7 @@ def bench_one(cfg: Config, args, batch_size: int, num_cg: int, peak: float) -> d
     result = {
         "batch_size": batch_size,
         "num_cg": num_cg,
+        "packed_loss": not args.padded_loss,
         "steps": len(step_ms),
         "median_step_ms": median,
         "utts_per_s": batch_size / (median * 1e-3),
@@ -363,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "rnnt-bench"))
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument(
+        "--padded-loss",
+        action="store_true",
+        help="do not give the loss host lengths (the fused loss then computes the padded box)",
+    )
     parser.add_argument(
         "--average-lengths",
         action="store_true",

@@ -19,7 +19,7 @@ logits. Backends:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -133,6 +133,8 @@ def rnnt_loss_reference(
 
 
 LossFn = Callable[..., torch.Tensor]
+# (frame lengths, label lengths) of a batch as host integers (no device read needed).
+HostLens = tuple[Sequence[int], Sequence[int]]
 
 
 def _import_error(backend: str, what: str, err: Exception) -> ConfigError:
@@ -148,6 +150,10 @@ class TransducerLoss:
     `TransducerLoss(backend, blank_idx)(joint, f (B,T,H), g (B,U+1,H), f_lens (B,),
     targets (B,U), target_lens (B,)) -> scalar`; `joint` is the model's `rnnt.model.Joint`
     (its fc weights and dropout are used; the fused backends never build its (B,T,U+1,V) output).
+
+    `host_lens=(f_lens, target_lens)` as host integers, when the caller has them: the fused
+    backend then computes only the sum_b T_b (U_b + 1) lattice rows instead of the padded
+    B T (U+1) box, and apex packs without its host sync. The other backends ignore them.
     """
 
     def __init__(self, backend: str, blank_idx: int) -> None:
@@ -187,6 +193,7 @@ class TransducerLoss:
         f_lens: torch.Tensor,
         targets: torch.Tensor,
         target_lens: torch.Tensor,
+        host_lens: HostLens | None = None,
     ) -> torch.Tensor:
         if f.dim() != 3 or g.dim() != 3 or f.shape[0] != g.shape[0] or f.shape[2] != g.shape[2]:
             raise ValueError(
@@ -198,13 +205,13 @@ class TransducerLoss:
                 f"targets must be (B, U) = ({g.shape[0]}, {g.shape[1] - 1}) for g "
                 f"{tuple(g.shape)}, got {tuple(targets.shape)}"
             )
-        return self._impl(joint, f, g, f_lens, targets, target_lens)
+        return self._impl(joint, f, g, f_lens, targets, target_lens, host_lens)
 
-    def _reference(self, joint, f, g, f_lens, targets, target_lens) -> torch.Tensor:
+    def _reference(self, joint, f, g, f_lens, targets, target_lens, host_lens) -> torch.Tensor:
         logits = joint(f, g)
         return rnnt_loss_reference(logits, targets, f_lens, target_lens, self.blank_idx).mean()
 
-    def _torchaudio(self, joint, f, g, f_lens, targets, target_lens) -> torch.Tensor:
+    def _torchaudio(self, joint, f, g, f_lens, targets, target_lens, host_lens) -> torch.Tensor:
         # torchaudio insists that the padded sizes equal the longest lengths (one host sync).
         t_max = int(f_lens.max())
         u_max = int(target_lens.max())
@@ -223,18 +230,18 @@ class TransducerLoss:
         )
         return nll.float().mean()
 
-    def _fused(self, joint, f, g, f_lens, targets, target_lens) -> torch.Tensor:
+    def _fused(self, joint, f, g, f_lens, targets, target_lens, host_lens) -> torch.Tensor:
         dropout = joint.dropout
         p = dropout.p if isinstance(dropout, torch.nn.Dropout) and joint.training else 0.0
         # One operand dtype for the kernels (fp32 weights under autocast meet fp16 activations).
         dt = f.dtype
         nll = self._fused_fn(
             f, g.to(dt), joint.fc.weight.to(dt), joint.fc.bias.to(dt), f_lens, targets,
-            target_lens, blank=self.blank_idx, dropout_p=p,
+            target_lens, blank=self.blank_idx, dropout_p=p, host_lens=host_lens,
         )  # fmt: skip
         return nll.mean()
 
-    def _apex(self, joint, f, g, f_lens, targets, target_lens) -> torch.Tensor:
+    def _apex(self, joint, f, g, f_lens, targets, target_lens, host_lens) -> torch.Tensor:
         dropout = joint.dropout
         p = dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0
         f_lens = f_lens.int()
@@ -244,9 +251,13 @@ class TransducerLoss:
             pack_output=True, relu=True, dropout=p > 0, dropout_prob=p, opt=1
         )
         apex_joint.train(joint.training)
-        # Packing sizes the output on the host: the one sync of this backend.
+        # Packing sizes the output on the host: from host lengths when given, else a sync.
+        if host_lens is not None:
+            packed = sum(int(t) * (int(u) + 1) for t, u in zip(*host_lens, strict=True))
+        else:
+            packed = int(batch_offset[-1])
         h = apex_joint(
-            f, g, f_lens, g_lens, batch_offset=batch_offset, packed_batch=int(batch_offset[-1])
+            f, g, f_lens, g_lens, batch_offset=batch_offset, packed_batch=packed
         )  # (sum_b T_b (U_b+1), H)
         logits = joint.fc(h)
         nll = self._apex_loss(

@@ -105,8 +105,10 @@ class StackTime(nn.Module):
         if pad:
             x = F.pad(x, (0, 0, 0, 0, 0, pad))
         x = x.transpose(0, 1).reshape(b, (t + pad) // self.factor, h * self.factor)
-        lens = torch.div(lens + self.factor - 1, self.factor, rounding_mode="floor")
-        return x.transpose(0, 1), lens
+        return x.transpose(0, 1), self.output_lengths(lens)
+
+    def output_lengths(self, lens: torch.Tensor) -> torch.Tensor:
+        return torch.div(lens + self.factor - 1, self.factor, rounding_mode="floor")
 
 
 class Encoder(nn.Module):
@@ -208,6 +210,10 @@ class RNNT(nn.Module):
     def encode(self, x: torch.Tensor, x_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, B, in_feats), x_lens (B,) -> f (B, T', joint_n_hid), f_lens (B,)."""
         return self.encoder(x, x_lens)
+
+    def encoded_lengths(self, x_lens: torch.Tensor) -> torch.Tensor:
+        """The f_lens of `encode` for these x_lens, on their device (e.g. host lengths)."""
+        return self.encoder.stack_time.output_lengths(x_lens)
 
     def predict(self, y: torch.Tensor) -> torch.Tensor:
         """y (B, U) -> g (B, U+1, joint_n_hid)."""

@@ -288,7 +288,13 @@ class Trainer:
             g = self.graphs.predict(mb.tokens)
         else:
             f, f_lens, g = self.model(mb.feats, mb.feat_lens, mb.tokens)
-        return self.loss_fn(self.model.joint, f, g, f_lens, mb.tokens, mb.token_lens)
+        host_lens = None
+        if mb.host_lens is not None:
+            frames, tokens = mb.host_lens
+            host_lens = (self.model.encoded_lengths(frames).tolist(), tokens.tolist())
+        return self.loss_fn(
+            self.model.joint, f, g, f_lens, mb.tokens, mb.token_lens, host_lens=host_lens
+        )
 
     def train_step(self, batch: FeatureBatch, lr: float) -> torch.Tensor:
         """One optimizer step on this rank's share of a global batch; returns the mean loss
@@ -435,6 +441,7 @@ def _split(batch: FeatureBatch, parts: int) -> list[FeatureBatch]:
                 tlens,
                 batch.utt_ids[sl],
                 batch.transcripts[sl],
+                None if batch.host_lens is None else tuple(x[sl] for x in batch.host_lens),
             )
         )
     return out

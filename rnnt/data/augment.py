@@ -199,4 +199,7 @@ class BatchTransform(nn.Module):
             token_lens=batch.token_lens,
             utt_ids=batch.utt_ids,
             transcripts=batch.transcripts,
+            host_lens=None
+            if batch.host_lens is None
+            else (spliced_length(batch.host_lens[0], self.splice.subsample), batch.host_lens[1]),
         )

@@ -21,6 +21,9 @@ class FeatureBatch:
     token_lens: (B,) int64, every one >= 1 for training batches.
     utt_ids:    B utterance ids (manifest order key), for evaluation output and debugging.
     transcripts: B normalized reference transcripts (evaluation computes WER against these).
+    host_lens:  (feat_lens, token_lens) as CPU tensors when the pipeline knows them on the host
+                (kept by `to()` when the lengths start on the CPU), else None. The fused loss
+                sizes its packed lattice from them without reading the device.
     """
 
     feats: torch.Tensor
@@ -29,8 +32,12 @@ class FeatureBatch:
     token_lens: torch.Tensor
     utt_ids: list[str] = field(default_factory=list)
     transcripts: list[str] = field(default_factory=list)
+    host_lens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> FeatureBatch:
+        host_lens = self.host_lens
+        if self.feat_lens.device.type == "cpu" and self.token_lens.device.type == "cpu":
+            host_lens = (self.feat_lens, self.token_lens)
         return FeatureBatch(
             self.feats.to(device, non_blocking=non_blocking),
             self.feat_lens.to(device, non_blocking=non_blocking),
@@ -38,6 +45,7 @@ class FeatureBatch:
             self.token_lens.to(device, non_blocking=non_blocking),
             self.utt_ids,
             self.transcripts,
+            host_lens,
         )
 
     def __len__(self) -> int:
@@ -52,6 +60,7 @@ class ModelBatch:
                 zero past feat_lens and in the feature padding (240 -> 256).
     feat_lens:  (B,) int64, spliced frames per utterance = ceil(raw_frames / subsample).
     tokens, token_lens, utt_ids, transcripts: as in FeatureBatch.
+    host_lens:  (feat_lens, token_lens) on the CPU, when FeatureBatch.host_lens was known.
     """
 
     feats: torch.Tensor
@@ -60,6 +69,7 @@ class ModelBatch:
     token_lens: torch.Tensor
     utt_ids: list[str] = field(default_factory=list)
     transcripts: list[str] = field(default_factory=list)
+    host_lens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return self.feats.shape[1]

@@ -252,4 +252,5 @@ class SyntheticFeatureSource:
             token_lens=torch.from_numpy(token_lens).to(dev),
             utt_ids=[self.utt_ids[i] for i in idx],
             transcripts=[self.transcripts[i] for i in idx],
+            host_lens=(torch.from_numpy(frames), torch.from_numpy(token_lens)),
         )

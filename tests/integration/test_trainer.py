@@ -147,7 +147,7 @@ def test_repeated_nan_losses_stop_the_run_naming_the_step(corpus, tmp_path):
         make_cfg(corpus, tmp_path / "run", "training.max_consecutive_nonfinite=3"), CPU
     )
     real_loss = trainer.loss_fn
-    trainer.loss_fn = lambda *args: real_loss(*args) * math.nan
+    trainer.loss_fn = lambda *args, **kwargs: real_loss(*args, **kwargs) * math.nan
     with pytest.raises(NonFiniteLossError, match=r"step 3: 3 consecutive steps"):
         trainer.fit()
     assert int(trainer.skipped_total) == 3
@@ -204,9 +204,11 @@ def test_two_processes_under_torchrun_share_one_log_and_one_eval(corpus, tmp_pat
 
 
 @pytest.mark.gpu
-def test_training_step_never_syncs_with_the_host(tmp_path, shared_data):
+@pytest.mark.parametrize("loss_backend", ["reference", "fused"])
+def test_training_step_never_syncs_with_the_host(tmp_path, shared_data, loss_backend):
     """Trainer.train_step on the GPU (fp16, GradScaler, LAMB, EMA, skip counters) under
-    sync-debug "error": any host-device synchronization inside the step raises."""
+    sync-debug "error": any host-device synchronization inside the step raises. The fused
+    loss gets the batch's host lengths (packed lattice) and must not read the device."""
     from rnnt.distributed import init_distributed
 
     cfg = load_config(
@@ -215,6 +217,7 @@ def test_training_step_never_syncs_with_the_host(tmp_path, shared_data):
             "data.backend=synthetic", "data.tokenizer=", "data.vocab_size=1023",
             "model.n_classes=1024", "data.max_duration=4.0", "training.batch_size=8",
             "training.precision=fp16", f"training.output_dir={tmp_path}",
+            f"loss.backend={loss_backend}",
             f"data.synthetic_train_lengths={shared_data / 'librispeech_train-clean-5_lengths.tsv'}",
             f"data.synthetic_val_lengths={shared_data / 'librispeech_dev-clean_lengths.tsv'}",
         ],

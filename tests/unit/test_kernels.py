@@ -57,9 +57,13 @@ def reference(leaves, f_lens, targets, target_lens, keep=None, p=0.0):
     return nll.detach(), grads
 
 
-def fused(leaves, f_lens, targets, target_lens, p=0.0, seed=0):
+def fused(leaves, f_lens, targets, target_lens, p=0.0, seed=0, packed=False):
+    """Loss and grads of the fused kernels; `packed` passes the lengths on the host too."""
     vocab = leaves[2].shape[0]
-    nll = jl.fused_joint_loss(*leaves, f_lens, targets, target_lens, vocab - 1, p, seed)
+    host = (f_lens.tolist(), target_lens.tolist()) if packed else None
+    nll = jl.fused_joint_loss(
+        *leaves, f_lens, targets, target_lens, vocab - 1, p, seed, host_lens=host
+    )
     grads = torch.autograd.grad(nll.mean(), leaves)
     return nll.detach(), grads
 
@@ -89,20 +93,64 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("name", CASES)
-def test_fused_matches_reference_without_dropout(name):
+def test_fused_matches_reference_without_dropout(name, packed):
     case = make_case(**CASES[name])
-    assert_matches(fused(*case), reference(*case), rel=1e-4)
+    assert_matches(fused(*case, packed=packed), reference(*case), rel=1e-4)
 
 
-def test_chunked_lattice_and_split_label_tiles_match_the_reference(monkeypatch):
-    case = make_case(lens=[(4, 20), (3, 17), (5, 2)], u_max=20, hid=16, vocab=11)
+def _layout(lens, t_max, u1, packed):
+    f_lens = torch.tensor([t for t, _ in lens])
+    host = ([t for t, _ in lens], [u for _, u in lens]) if packed else None
+    return jl._Layout(f_lens, None, host, len(lens), t_max, u1, torch.device(DEVICE))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_chunked_lattice_and_split_label_tiles_match_the_reference(monkeypatch, packed):
+    lens = [(4, 20), (3, 17), (5, 2)]
+    case = make_case(lens=lens, u_max=20, hid=16, vocab=11)
     want = reference(*case)
     monkeypatch.setattr(jl, "CHUNK_BYTES", 1)  # one utterance per chunk
-    assert jl._Chunks(3, 5, 21, 16, 11, torch.float32, DEVICE, backward=True).bc == 1
+    layout = _layout(lens, 5, 21, packed)
+    chunks = jl._Chunks(layout, 16, 11, torch.float32, DEVICE, backward=True)
+    assert [bc for _, bc, _, _ in chunks.spans] == [1, 1, 1]
     monkeypatch.setattr(jl, "MAX_FG_U_TILE", 16)  # U+1 = 21: two label tiles, df by atomics
     monkeypatch.setattr(jl, "ROW_TILE", 32)  # 2 rows per tile: d(logits) programs loop blocks
-    assert_matches(fused(*case), want, rel=1e-4)
+    assert_matches(fused(*case, packed=packed), want, rel=1e-4)
+
+
+def test_packed_layout_holds_only_lattice_rows_and_groups_whole_utterances():
+    lens = [(4, 20), (3, 17), (5, 2), (1, 0)]
+    layout = _layout(lens, 5, 21, packed=True)
+    assert layout.starts == [0, 84, 138, 153, 154]  # T_b (U_b + 1) rows each
+    assert layout.row_b.tolist() == [0] * 84 + [1] * 54 + [2] * 15 + [3]
+    assert layout.chunks(100) == [(0, 1), (1, 3)]  # 54 + 15 + 1 rows fit in 100
+    assert layout.chunks(10) == [(0, 1), (1, 1), (2, 1), (3, 1)]  # oversize: one per chunk
+    padded = _layout(lens, 5, 21, packed=False)
+    assert padded.starts == [0, 105, 210, 315, 420]
+
+
+def test_packed_and_padded_rows_give_the_same_loss_with_dropout(monkeypatch):
+    # Same hash of (b, t, u, k) in both layouts: identical masks, so equal up to rounding;
+    # small chunks so that packed chunks start mid-batch.
+    monkeypatch.setattr(jl, "CHUNK_BYTES", 4000)
+    case = make_case(**CASES["ragged"])
+    padded = fused(*case, p=0.3, seed=7)
+    packed = fused(*case, p=0.3, seed=7, packed=True)
+    assert_matches(packed, padded, rel=1e-5)
+
+
+def test_packed_host_lengths_are_checked_against_the_shapes():
+    leaves, f_lens, targets, target_lens = make_case(**CASES["ragged"])  # T 5, U 4
+    for host, match in [
+        (([5, 3], [4, 1]), "expected 3 frame and 3 label lengths"),
+        (([6, 3, 4], [4, 1, 0]), r"utterance 0 has \(T, U\) = \(6, 4\)"),
+        (([5, 3, 4], [4, 5, 0]), r"utterance 1 has \(T, U\) = \(3, 5\)"),
+        (([5, 0, 4], [4, 1, 0]), "utterance 1"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            jl.fused_joint_loss(*leaves, f_lens, targets, target_lens, 36, host_lens=host)
 
 
 def test_per_utterance_output_gradients_are_honoured():
@@ -187,10 +235,11 @@ def random_lens(bsz, t_max, u_max, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bsz", [1, 7])
-def test_gpu_fp32_matches_reference_on_ragged_batches(bsz):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("bsz", [1, 7, 64])
+def test_gpu_fp32_matches_reference_on_ragged_batches(bsz, packed):
     case = make_case(random_lens(bsz, 40, 12, bsz), 12, 512, 1024, seed=bsz)
-    assert_matches(fused(*case), reference(*case), rel=1e-4)
+    assert_matches(fused(*case, packed=packed), reference(*case), rel=1e-4)
 
 
 @pytest.mark.gpu

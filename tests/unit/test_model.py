@@ -156,3 +156,10 @@ def test_model_cli_prints_parameter_count_last(repo_root):
         check=True,
     )
     assert proc.stdout.strip().splitlines()[-1] == f"parameters: {BASELINE_PARAMS}"
+
+
+def test_encoded_lengths_are_those_of_encode():
+    model = RNNT(ModelConfig(enc_n_hid=16, pred_n_hid=16, joint_n_hid=16, n_classes=5))
+    lens = torch.tensor([9, 8, 1, 4])
+    _, f_lens = model.encode(torch.zeros(9, 4, 256), lens)
+    assert model.encoded_lengths(lens).tolist() == f_lens.tolist() == [5, 4, 1, 2]

@@ -190,6 +190,9 @@ def test_determinism_epochs_and_ranks(tmp_path, small_tokenizer):
         )
         src.set_epoch(epoch)
         out = list(src)
+        for b in out:  # the host copy of the lengths is the one the fused loss packs by
+            assert torch.equal(b.host_lens[0], b.feat_lens.cpu())
+            assert torch.equal(b.host_lens[1], b.token_lens.cpu())
         return [b.utt_ids for b in out], [b.feats for b in out]
 
     ids, feats = ids_and_feats(3, 1)
