@@ -387,7 +387,7 @@ class _Layout:
     and `row_b` (the utterance of every packed row) are their device copies for the kernels.
     """
 
-    def __init__(self, f_lens, target_lens, host_lens, bsz, t_max, u1, dev):
+    def __init__(self, f_lens, host_lens, bsz, t_max, u1, dev):
         self.packed = host_lens is not None
         if self.packed:
             sizes = [t * (u + 1) for t, u in zip(*host_lens, strict=True)]
@@ -470,7 +470,7 @@ class _FusedJointLoss(torch.autograd.Function):
         dropout = p_drop > 0.0
         scale = 1.0 / (1.0 - p_drop) if dropout else 1.0
         consts = (seed, _threshold(p_drop), scale, dropout)
-        layout = _Layout(f_lens, target_lens, host_lens, bsz, t_max, u1, dev)
+        layout = _Layout(f_lens, host_lens, bsz, t_max, u1, dev)
 
         lse = torch.zeros(bsz, t_max, u1, dtype=torch.float32, device=dev)
         blank_logit = torch.zeros_like(lse)

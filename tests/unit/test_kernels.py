@@ -103,7 +103,7 @@ def test_fused_matches_reference_without_dropout(name, packed):
 def _layout(lens, t_max, u1, packed):
     f_lens = torch.tensor([t for t, _ in lens])
     host = ([t for t, _ in lens], [u for _, u in lens]) if packed else None
-    return jl._Layout(f_lens, None, host, len(lens), t_max, u1, torch.device(DEVICE))
+    return jl._Layout(f_lens, host, len(lens), t_max, u1, torch.device(DEVICE))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
