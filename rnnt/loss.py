@@ -153,7 +153,8 @@ class TransducerLoss:
 
     `host_lens=(f_lens, target_lens)` as host integers, when the caller has them: the fused
     backend then computes only the sum_b T_b (U_b + 1) lattice rows instead of the padded
-    B T (U+1) box, and apex packs without its host sync. The other backends ignore them.
+    B T (U+1) box. The other backends ignore them (apex still sizes its packing with a sync:
+    it has never been run here, so its path is left as it was).
     """
 
     def __init__(self, backend: str, blank_idx: int) -> None:
@@ -251,13 +252,9 @@ class TransducerLoss:
             pack_output=True, relu=True, dropout=p > 0, dropout_prob=p, opt=1
         )
         apex_joint.train(joint.training)
-        # Packing sizes the output on the host: from host lengths when given, else a sync.
-        if host_lens is not None:
-            packed = sum(int(t) * (int(u) + 1) for t, u in zip(*host_lens, strict=True))
-        else:
-            packed = int(batch_offset[-1])
+        # Packing sizes the output on the host: the one sync of this backend.
         h = apex_joint(
-            f, g, f_lens, g_lens, batch_offset=batch_offset, packed_batch=packed
+            f, g, f_lens, g_lens, batch_offset=batch_offset, packed_batch=int(batch_offset[-1])
         )  # (sum_b T_b (U_b+1), H)
         logits = joint.fc(h)
         nll = self._apex_loss(

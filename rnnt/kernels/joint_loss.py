@@ -397,10 +397,7 @@ class _Layout:
         for n in sizes:
             self.starts.append(self.starts[-1] + n)
         if self.packed:
-            offs = torch.tensor(self.starts, dtype=torch.int64)
-            if dev.type == "cuda":
-                offs = offs.pin_memory()
-            self.offs = offs.to(dev, non_blocking=True)
+            self.offs = _to_device(self.starts, dev, torch.int64)
             self.row_b = torch.repeat_interleave(
                 torch.arange(bsz, dtype=torch.int32, device=dev),
                 self.offs.diff(),
@@ -689,8 +686,10 @@ def _check_host_lens(host_lens, bsz: int, t_max: int, u_max: int) -> tuple[list,
     return t_lens, u_lens
 
 
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=torch.int32)
+def _to_device(
+    values: list[int], device: torch.device, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    host = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         host = host.pin_memory()  # so the copy below does not block the host
     return host.to(device, non_blocking=True)

@@ -233,3 +233,17 @@ def test_training_step_never_syncs_with_the_host(tmp_path, shared_data, loss_bac
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss)
+
+
+def test_accumulation_split_keeps_host_lengths_aligned_with_the_batch():
+    from rnnt.data.batch import FeatureBatch
+    from rnnt.trainer import _split
+
+    lens = torch.tensor([9, 7, 5, 3, 2])
+    tokens = torch.tensor([4, 3, 2, 1, 1])
+    batch = FeatureBatch(torch.zeros(5, 2, 9), lens, torch.zeros(5, 4), tokens).to("cpu")
+    parts = _split(batch, 2)
+    assert [p.host_lens[0].tolist() for p in parts] == [[9, 7, 5], [3, 2]]
+    for part in parts:
+        assert torch.equal(part.host_lens[0], part.feat_lens)
+        assert torch.equal(part.host_lens[1], part.token_lens)
