@@ -101,9 +101,8 @@ def test_fused_matches_reference_without_dropout(name, packed):
 
 
 def _layout(lens, t_max, u1, packed):
-    f_lens = torch.tensor([t for t, _ in lens])
     host = ([t for t, _ in lens], [u for _, u in lens]) if packed else None
-    return jl._Layout(f_lens, host, len(lens), t_max, u1, torch.device(DEVICE))
+    return jl._Layout(host, len(lens), t_max, u1, torch.device(DEVICE))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -116,19 +115,46 @@ def test_chunked_lattice_and_split_label_tiles_match_the_reference(monkeypatch, 
     chunks = jl._Chunks(layout, 16, 11, torch.float32, DEVICE, backward=True)
     assert [bc for _, bc, _, _ in chunks.spans] == [1, 1, 1]
     monkeypatch.setattr(jl, "MAX_FG_U_TILE", 16)  # U+1 = 21: two label tiles, df by atomics
-    monkeypatch.setattr(jl, "ROW_TILE", 32)  # 2 rows per tile: d(logits) programs loop blocks
+    # 4 rows (16 classes) per block, so the persistent row programs loop over several blocks
+    monkeypatch.setattr(jl, "STATS_LAUNCH", (64, 1, 1))
+    monkeypatch.setattr(jl, "DLOGITS_LAUNCH", (64, 2, 1))
+    monkeypatch.setattr(jl, "HIDDEN_U_TILE", 4)  # packed: programs past U_b return at once
     assert_matches(fused(*case, packed=packed), want, rel=1e-4)
+
+
+def test_half_precision_padding_garbage_near_the_fp16_limit_stays_out():
+    # Padded rows outside the lattice get h = 0: relu(6e4 + g) there would make fp16 logits
+    # overflow to inf, and inf - inf in their (unused) softmax would turn gradients into NaN.
+    case = make_case(**CASES["ragged"], dtype=torch.float16)
+    leaves = case[0]
+    with torch.no_grad():
+        for b, t_len in enumerate(case[1].tolist()):
+            leaves[0][b, t_len:] = 6e4
+    got = fused(*case)
+    assert_matches(got, reference(*case), rel=1e-2)
 
 
 def test_packed_layout_holds_only_lattice_rows_and_groups_whole_utterances():
     lens = [(4, 20), (3, 17), (5, 2), (1, 0)]
     layout = _layout(lens, 5, 21, packed=True)
     assert layout.starts == [0, 84, 138, 153, 154]  # T_b (U_b + 1) rows each
-    assert layout.row_b.tolist() == [0] * 84 + [1] * 54 + [2] * 15 + [3]
+    want_cells = [
+        (b * 5 + t) * 21 + u for b, (t_len, u_len) in enumerate(lens)
+        for t in range(t_len) for u in range(u_len + 1)
+    ]  # fmt: skip
+    assert layout.cells.tolist() == want_cells
+    lattice = torch.arange(4 * 5 * 21, dtype=torch.float32, device=DEVICE).view(4, 5, 21)
+    rows = layout.rows(lattice)
+    assert rows.tolist() == [float(c) for c in want_cells]
+    back = layout.lattice(rows, fill=-1.0)
+    inside = back >= 0
+    assert inside.sum().item() == 154 and torch.equal(back[inside], lattice[inside])
+    assert (back[~inside] == -1).all()
     assert layout.chunks(100) == [(0, 1), (1, 3)]  # 54 + 15 + 1 rows fit in 100
     assert layout.chunks(10) == [(0, 1), (1, 1), (2, 1), (3, 1)]  # oversize: one per chunk
     padded = _layout(lens, 5, 21, packed=False)
     assert padded.starts == [0, 105, 210, 315, 420]
+    assert torch.equal(padded.rows(lattice), lattice.view(-1))  # every cell is a row
 
 
 def test_packed_and_padded_rows_give_the_same_loss_with_dropout(monkeypatch):
@@ -178,6 +204,22 @@ def test_fused_matches_reference_with_the_same_dropout_mask():
     assert_matches(got, reference(*case, keep=keep, p=p), rel=1e-4)
     # the mask is really used: without it the loss differs
     assert (got[0] - reference(*case)[0]).abs().max() > 1e-3
+
+
+def test_dropout_mask_has_the_drop_rate_and_independent_unit_pairs():
+    # One hash serves units 2j and 2j + 1 (its low and high 16 bits): both must be kept at
+    # rate 1 - p, and independently of each other and of the neighbouring pair.
+    p = 0.3
+    keep = jl.dropout_keep_mask(5, 2, 8, 9, 512, p, DEVICE).float()
+    assert keep.mean().item() == pytest.approx(1 - p, abs=0.005)
+    even, odd = keep[..., 0::2], keep[..., 1::2]
+    assert even.mean().item() == pytest.approx(1 - p, abs=0.007)
+    assert odd.mean().item() == pytest.approx(1 - p, abs=0.007)
+    assert (even * odd).mean().item() == pytest.approx((1 - p) ** 2, abs=0.007)
+    assert (odd[..., :-1] * even[..., 1:]).mean().item() == pytest.approx((1 - p) ** 2, abs=0.007)
+    # different cells and utterances draw different masks
+    assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
+    assert not torch.equal(keep[0, 0, 0], keep[1, 0, 0])
 
 
 def test_dropout_is_reproducible_from_the_seed():
