@@ -365,9 +365,9 @@ class _Layout:
 
     Padded: utterance b owns rows [b T (U+1), (b+1) T (U+1)), the (B, T, U+1) box, so rows
     past T_b or U_b are computed too, and row = lattice cell. Packed (lengths known on the
-    host): it owns T_b (U_b + 1) rows from starts[b], nothing else. `starts` (B + 1,) are host
-    ints; `offs` is their device copy for the kernels and `cells` (packed only) the lattice
-    cell b T (U+1) + t (U+1) + u of every row.
+    host, and some padding to skip): it owns T_b (U_b + 1) rows from starts[b], nothing else.
+    `starts` (B + 1,) are host ints; `offs` is their device copy for the kernels and `cells`
+    (packed only) the lattice cell b T (U+1) + t (U+1) + u of every row.
     """
 
     def __init__(self, host_lens, bsz, t_max, u1, dev):
