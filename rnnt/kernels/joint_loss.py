@@ -149,6 +149,41 @@ def _lattice_kernel(
     tl.store(ll_ptr + b, tl.load(beta_ptr + base))
 
 
+@triton.jit(do_not_specialize=["T", "U1"])
+def _posteriors_kernel(
+    lpb_ptr, lpl_ptr, flen_ptr, tlen_ptr, alpha_ptr, beta_ptr, ll_ptr, occ_ptr, wb_ptr, wl_ptr,
+    T, U1, BT: tl.constexpr, BLOCK_U: tl.constexpr,
+):  # fmt: skip
+    """Transition posteriors (B, T, U+1) of BT frames of one utterance, each in [0, 1] and 0
+    outside the lattice (every cell of the box is written): those of d(-log P)/d lp,
+        w_blank[t, u] = exp(alpha[t, u] + lp_blank[t, u] + beta[t+1, u] - log P), with beta
+            just past the last frame = 0 at u = U_b (the final blank) and log 0 elsewhere;
+        w_label[t, u] = exp(alpha[t, u] + lp_label[t, u] + beta[t, u+1] - log P), u < U_b;
+        occ = w_blank + w_label (the occupancy of the cell).
+    """
+    b = tl.program_id(0)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)[:, None]
+    u = tl.arange(0, BLOCK_U)[None, :]
+    t_len = tl.load(flen_ptr + b)
+    u_len = tl.load(tlen_ptr + b)
+    log_lik = tl.load(ll_ptr + b)
+    at = (b * T + t) * U1 + u
+    ok = (t < t_len) & (u <= u_len)
+    alpha = tl.load(alpha_ptr + at, mask=ok, other=_KNEG)
+    after = tl.where(u == u_len, 0.0, _KNEG)
+    stay = tl.load(beta_ptr + at + U1, mask=ok & (t + 1 < t_len), other=after)
+    stay += tl.load(lpb_ptr + at, mask=ok, other=0.0)
+    ok_emit = ok & (u < u_len)
+    emit = tl.load(beta_ptr + at + 1, mask=ok_emit, other=_KNEG)
+    emit += tl.load(lpl_ptr + at, mask=ok_emit, other=0.0)
+    w_blank = tl.where(ok, tl.exp(alpha + stay - log_lik), 0.0)
+    w_label = tl.where(ok_emit, tl.exp(alpha + emit - log_lik), 0.0)
+    in_box = (t < T) & (u < U1)
+    tl.store(wb_ptr + at, w_blank, mask=in_box)
+    tl.store(wl_ptr + at, w_label, mask=in_box)
+    tl.store(occ_ptr + at, w_blank + w_label, mask=in_box)
+
+
 @triton.jit
 def _keep_mask_kernel(out_ptr, seed, T, U1, H, drop_thr, BU: tl.constexpr, HP: tl.constexpr):
     b = tl.program_id(0)
@@ -382,12 +417,14 @@ class _Layout:
         for n in sizes:
             self.starts.append(self.starts[-1] + n)
         if self.packed:
-            self.offs = _to_device(self.starts, dev, torch.int64)
+            bsz1 = len(self.starts)
+            host = self.starts + [u + 1 for u in host_lens[1]]
+            self.offs, u1s = _to_device(host, dev, torch.int64).split([bsz1, bsz1 - 1])
             n_rows = self.starts[-1]
             row_b = torch.repeat_interleave(
                 torch.arange(bsz, device=dev), self.offs.diff(), output_size=n_rows
             )
-            u1_b = _to_device([u + 1 for u in host_lens[1]], dev, torch.int64)[row_b]
+            u1_b = u1s[row_b]
             local = torch.arange(n_rows, device=dev) - self.offs[row_b]
             t = local // u1_b
             self.cells = (row_b * t_max + t) * u1 + (local - t * u1_b)
@@ -485,23 +522,17 @@ class _FusedJointLoss(torch.autograd.Function):
         del chunks
         lp_blank = layout.lattice(blank_rows - lse_rows)
         lp_label = layout.lattice(target_rows - lse_rows)
-        alpha = torch.full_like(lp_blank, _NEG)
-        beta = torch.full_like(lp_blank, _NEG)
-        log_lik = torch.empty(bsz, dtype=torch.float32, device=dev)
-        _lattice_kernel[(bsz,)](
-            lp_blank, lp_label, f_lens, target_lens, alpha, beta, log_lik, t_max, u1,
-            BLOCK_U=max(16, triton.next_power_of_2(u1)),
-        )  # fmt: skip
+        log_lik, posteriors = _lattice(lp_blank, lp_label, f_lens, target_lens)
         ctx.save_for_backward(f, g, weight, bias, f_lens, target_lens, label_rows, lse_rows,
-                              lp_blank, lp_label, alpha, beta, log_lik)  # fmt: skip
+                              posteriors)  # fmt: skip
         ctx.consts = (blank, consts)
         ctx.layout = layout
         return -log_lik
 
     @staticmethod
     def backward(ctx, grad_nll):
-        (f, g, weight, bias, f_lens, target_lens, label_rows, lse_rows, lp_blank, lp_label,
-         alpha, beta, log_lik) = ctx.saved_tensors  # fmt: skip
+        (f, g, weight, bias, f_lens, target_lens, label_rows, lse_rows,
+         posteriors) = ctx.saved_tensors  # fmt: skip
         blank, consts = ctx.consts
         bsz, t_max, hid = f.shape
         u1 = g.shape[1]
@@ -514,12 +545,7 @@ class _FusedJointLoss(torch.autograd.Function):
         go_max = go.abs().amax().clamp_min(1e-30)
         ratio = (go / go_max).view(-1, 1, 1)
         layout = ctx.layout
-        occ, w_blank, w_label = (
-            layout.rows(w * ratio)
-            for w in _transition_weights(
-                alpha, beta, lp_blank, lp_label, log_lik, f_lens, target_lens
-            )
-        )
+        occ, w_blank, w_label = (layout.rows(w * ratio) for w in posteriors)
 
         sms = _num_sms(dev)
         chunks = _Chunks(layout, hid, v, f.dtype, dev, backward=True)
@@ -559,6 +585,27 @@ class _FusedJointLoss(torch.autograd.Function):
         )  # fmt: skip
 
 
+def _lattice(lp_blank, lp_label, f_lens, target_lens):
+    """log P (B,) and the transition posteriors (occupancy, blank, label), (3, B, T, U+1), of
+    the lattices of log-probabilities lp_blank / lp_label (B, T, U+1) fp32."""
+    bsz, t_max, u1 = lp_blank.shape
+    alpha = torch.full_like(lp_blank, _NEG)
+    beta = torch.full_like(lp_blank, _NEG)
+    log_lik = torch.empty(bsz, dtype=torch.float32, device=lp_blank.device)
+    block_u = max(16, triton.next_power_of_2(u1))
+    _lattice_kernel[(bsz,)](
+        lp_blank, lp_label, f_lens, target_lens, alpha, beta, log_lik, t_max, u1,
+        BLOCK_U=block_u,
+    )  # fmt: skip
+    posteriors = torch.empty(3, bsz, t_max, u1, dtype=torch.float32, device=lp_blank.device)
+    bt = max(1, 2048 // block_u)
+    _posteriors_kernel[(bsz, triton.cdiv(t_max, bt))](
+        lp_blank, lp_label, f_lens, target_lens, alpha, beta, log_lik, *posteriors, t_max, u1,
+        BT=bt, BLOCK_U=block_u,
+    )  # fmt: skip
+    return log_lik, posteriors
+
+
 def _logits_dtype(dtype: torch.dtype) -> torch.dtype:
     # bf16 logits (8-bit mantissa) would cost ~0.05 in a logit of 10; fp16 ones ~0.005.
     return torch.float32 if dtype == torch.bfloat16 else dtype
@@ -595,30 +642,6 @@ def _logits(h, w_t, out):
         # bf16: the fp32 product is a temporary of the chunk's logits size, so a bf16 step
         # holds about one more logits chunk than CHUNK_BYTES accounts for.
         out.copy_(_mm_fp32(h, w_t))
-
-
-def _transition_weights(alpha, beta, lp_blank, lp_label, log_lik, f_lens, target_lens):
-    """Posterior of each transition: (occupancy, blank, label), each (B, T, U+1) in [0, 1].
-
-    The kernels multiply by d loss_b only after their products, so fp16/bf16 operands never
-    hold posteriors shrunk by a 1/B mean into the subnormal range.
-
-    d(-log P)/d lp_blank[t, u] = -exp(alpha[t, u] + lp_blank[t, u] + beta[t+1, u] - log P),
-    with beta just past the last frame = 0 at u = U_b (the final blank) and log 0 elsewhere.
-    """
-    bsz, t_max, u1 = alpha.shape
-    t = torch.arange(t_max, device=alpha.device).view(1, -1, 1)
-    u = torch.arange(u1, device=alpha.device).view(1, 1, -1)
-    t_len = f_lens.view(-1, 1, 1).long()
-    u_len = target_lens.view(-1, 1, 1).long()
-    beta_next_t = torch.nn.functional.pad(beta[:, 1:], (0, 0, 0, 1), value=_NEG)
-    beta_next_t = torch.where((t == t_len - 1) & (u == u_len), 0.0, beta_next_t)
-    beta_next_u = torch.nn.functional.pad(beta[:, :, 1:], (0, 1), value=_NEG)
-    inside = (t < t_len) & (u <= u_len)
-    ll = log_lik.view(-1, 1, 1)
-    w_blank = torch.where(inside, torch.exp(alpha + lp_blank + beta_next_t - ll), 0.0)
-    w_label = torch.where(inside & (u < u_len), torch.exp(alpha + lp_label + beta_next_u - ll), 0.0)
-    return (w_blank + w_label).contiguous(), w_blank.contiguous(), w_label.contiguous()
 
 
 def fused_joint_loss(
@@ -663,7 +686,7 @@ def fused_joint_loss(
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
     if host_lens is not None:
         host_lens = _check_host_lens(host_lens, f.shape[0], f.shape[1], g.shape[1] - 1)
-        f_lens, target_lens = (_to_device(x, f.device) for x in host_lens)
+        f_lens, target_lens = _to_device([*host_lens[0], *host_lens[1]], f.device).chunk(2)
     return _FusedJointLoss.apply(
         f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, float(dropout_p), seed
     )
@@ -688,7 +711,8 @@ def _check_host_lens(host_lens, bsz: int, t_max: int, u_max: int) -> tuple[list,
 def _to_device(
     values: list[int], device: torch.device, dtype: torch.dtype = torch.int32
 ) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        host = host.pin_memory()  # so the copy below does not block the host
+    # One pinned buffer (so the copy does not block the host) per call: callers put all their
+    # small host arrays in one list, as each pinning costs ~0.1-0.5 ms of host time.
+    host = torch.empty(len(values), dtype=dtype, pin_memory=device.type == "cuda")
+    host.numpy()[:] = values
     return host.to(device, non_blocking=True)

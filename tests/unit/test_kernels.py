@@ -134,6 +134,32 @@ def test_half_precision_padding_garbage_near_the_fp16_limit_stays_out():
     assert_matches(got, reference(*case), rel=1e-2)
 
 
+def test_lattice_posteriors_count_every_path_s_blanks_and_labels():
+    # Every path through utterance b's lattice takes T_b blanks and U_b labels, so whatever the
+    # probabilities the blank posteriors sum to T_b and the label ones to U_b; the kernels'
+    # d(logits) rest on these.
+    lens = [(5, 4), (3, 1), (1, 0), (4, 4)]
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.zeros(4, 5, 5, 2)  # class 0: the label, 1: blank
+    logits[..., 1] = 3 * torch.randn(4, 5, 5, generator=gen)
+    lp = logits.log_softmax(-1)
+    f_lens = torch.tensor([t for t, _ in lens], dtype=torch.int32)
+    target_lens = torch.tensor([u for _, u in lens], dtype=torch.int32)
+    args = [x.contiguous().to(DEVICE) for x in (lp[..., 1], lp[..., 0], f_lens, target_lens)]
+    log_lik, (occ, w_blank, w_label) = jl._lattice(*args)
+    ref = rnnt_loss_reference(
+        logits, torch.zeros(4, 4, dtype=torch.long), f_lens.long(), target_lens.long(), blank=1
+    )
+    assert torch.allclose(-log_lik.cpu(), ref, rtol=1e-5)
+    for b, (t_len, u_len) in enumerate(lens):
+        assert w_blank[b].sum().item() == pytest.approx(t_len, rel=1e-5)
+        assert w_label[b].sum().item() == pytest.approx(u_len, rel=1e-5)
+        inside = torch.zeros(5, 5, dtype=torch.bool, device=DEVICE)
+        inside[:t_len, : u_len + 1] = True
+        assert (occ[b][~inside] == 0).all() and (occ[b] <= 1 + 1e-6).all()
+    assert torch.equal(occ, w_blank + w_label)
+
+
 def test_packed_layout_holds_only_lattice_rows_and_groups_whole_utterances():
     lens = [(4, 20), (3, 17), (5, 2), (1, 0)]
     layout = _layout(lens, 5, 21, packed=True)
