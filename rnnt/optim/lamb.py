@@ -39,6 +39,14 @@ from collections.abc import Iterable
 import torch
 
 
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class _FlatGroup:
     """Flat fp32 state of one parameter group. n = total elements of the group."""
 
@@ -78,6 +86,9 @@ class Lamb(torch.optim.Optimizer):
             write the cast result back to the parameters. None: only when some parameter is not
             fp32. True with fp32 parameters keeps a (redundant) flat fp32 copy. False with
             fp16/bf16 parameters updates the low-precision weights directly (computing in fp32).
+        fused: do the moments and the update in one Triton kernel (rnnt/kernels/lamb.py)
+            instead of eleven PyTorch elementwise ops; same maths. None: on CUDA when Triton is
+            installed.
     """
 
     _step_supports_amp_scaling = True
@@ -91,6 +102,7 @@ class Lamb(torch.optim.Optimizer):
         weight_decay: float = 1e-3,
         max_grad_norm: float = 1.0,
         master_weights: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         if max_grad_norm < 0:
             raise ValueError(f"Lamb: max_grad_norm must be >= 0, got {max_grad_norm}")
@@ -101,6 +113,13 @@ class Lamb(torch.optim.Optimizer):
             params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         )
         self._device = self._flat[0].exp_avg.device
+        if fused is None:
+            fused = self._device.type == "cuda" and _triton_available()
+        self._fused_update = None
+        if fused:
+            from rnnt.kernels.lamb import lamb_update_
+
+            self._fused_update = lamb_update_
         # optimizer steps actually applied (skipped steps do not count); drives bias correction
         self._steps = torch.zeros((), dtype=torch.float32, device=self._device)
 
@@ -205,28 +224,12 @@ class Lamb(torch.optim.Optimizer):
         t = self._steps.clamp(min=1.0)
 
         for group, flat, g in zip(self.param_groups, self._flat, grads):
-            b1, b2 = group["betas"]
-            g.mul_(coef)
-            w1, w2 = 1.0 - b1, 1.0 - b2
-            if skip is not None:
-                # non-finite gradients become 0 and the moment decays become 1: m, v unchanged
-                g.masked_fill_(skip, 0.0)
-                w1, w2 = keep * w1, keep * w2
-            flat.exp_avg.lerp_(g, w1)
-            flat.exp_avg_sq.mul_(1.0 - w2).addcmul_(g, g, value=1.0 - b2)
-
             params = group["params"]
             w = flat.master
             if w is None:
                 w = flat.gather(params, torch.empty_like(flat.exp_avg))
-            # flat.grad is free again from here: it receives the update u
-            update = flat.grad
-            torch.div(flat.exp_avg_sq, 1.0 - torch.pow(b2, t), out=update)
-            update.sqrt_().add_(group["eps"])
-            torch.div(flat.exp_avg, update, out=update)
-            update.div_(1.0 - torch.pow(b1, t))
-            if group["weight_decay"] != 0:
-                update.add_(w, alpha=group["weight_decay"])
+            # flat.grad receives the update u
+            update = self._moments_and_update(group, flat, g, w, coef, skip, keep, t)
 
             w_norms = torch.stack(torch._foreach_norm(w.split(flat.sizes)))
             u_norms = torch.stack(torch._foreach_norm(update.split(flat.sizes)))
@@ -239,6 +242,31 @@ class Lamb(torch.optim.Optimizer):
             torch._foreach_mul_(update.split(flat.sizes), list(scale.unbind()))
             w.sub_(update)
             torch._foreach_copy_(list(params), flat.views(w))
+
+    def _moments_and_update(self, group, flat, g, w, coef, skip, keep, t) -> torch.Tensor:
+        b1, b2 = group["betas"]
+        bc1, bc2 = 1.0 - torch.pow(b1, t), 1.0 - torch.pow(b2, t)
+        if self._fused_update is not None:
+            return self._fused_update(
+                g, flat.exp_avg, flat.exp_avg_sq, w, coef, keep, bc1, bc2, (b1, b2),
+                group["eps"], group["weight_decay"],
+            )  # fmt: skip
+        g.mul_(coef)
+        w1, w2 = 1.0 - b1, 1.0 - b2
+        if skip is not None:
+            # non-finite gradients become 0 and the moment decays become 1: m, v unchanged
+            g.masked_fill_(skip, 0.0)
+            w1, w2 = keep * w1, keep * w2
+        flat.exp_avg.lerp_(g, w1)
+        flat.exp_avg_sq.mul_(1.0 - w2).addcmul_(g, g, value=1.0 - b2)
+        # g is free again from here: it receives the update u
+        torch.div(flat.exp_avg_sq, bc2, out=g)
+        g.sqrt_().add_(group["eps"])
+        torch.div(flat.exp_avg, g, out=g)
+        g.div_(bc1)
+        if group["weight_decay"] != 0:
+            g.add_(w, alpha=group["weight_decay"])
+        return g
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
