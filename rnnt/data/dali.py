@@ -10,7 +10,9 @@ realize exactly the definitions in the docstring of `rnnt.data.features`.
 
 Randomness: speeds come from numpy seeded by (seed, rank, epoch, batch position), so a resumed
 run perturbs its batches as the original did; dither comes from DALI's generator, seeded per
-rank.
+rank. DALI's generators cannot be rewound, so an evaluation pipeline is built afresh for every
+pass: each evaluation dithers exactly as the previous one and as eval.py does (digital silence,
+as in synthesized speech, is nothing but dither, enough to flip a word).
 """
 
 from __future__ import annotations
@@ -195,17 +197,11 @@ class DaliFeatureIterator:
         device_id = torch_device.index if torch_device.type == "cuda" else None
         if device == "gpu" and device_id is None:
             device_id = torch.cuda.current_device()
-        self.pipeline = build_pipeline(
-            cfg,
-            train,
-            self._source(),
-            max_batch_size,
-            num_threads,
-            seed,
-            device,
-            resampling_device,
-            device_id,
-        )
+        self._train = train
+        self._build_args = (cfg, train, self._source(), max_batch_size, num_threads, seed, device,
+                            resampling_device, device_id)  # fmt: skip
+        self.pipeline = build_pipeline(*self._build_args)
+        self._passes = 0
 
     def _source(self):
         owner = self
@@ -233,6 +229,9 @@ class DaliFeatureIterator:
 
     def __iter__(self) -> Iterator[FeatureBatch]:
         self._pending.clear()
+        if not self._train and self._passes:
+            self.pipeline = build_pipeline(*self._build_args)  # dither from its seed again
+        self._passes += 1
         while True:
             try:
                 feats, shapes = self.pipeline.run()

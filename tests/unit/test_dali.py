@@ -181,6 +181,20 @@ def test_speed_perturbation_is_seeded_and_in_range(corpus):
         assert unperturbed / 1.15 - 2 <= frames <= unperturbed / 0.85 + 2
 
 
+def test_evaluation_passes_dither_identically(corpus):
+    # Synthesized speech keeps digital silence (corpus[:3] are espeak-ng files, untrimmed
+    # edges aside), whose features are dither alone: a pass that dithered differently would
+    # score differently (the trainer's per-epoch WER would not match eval.py's).
+    loader = build_loader(_cfg("dali", dither=1e-5), corpus[:3], train=False)
+    first, second = _by_utt(loader), _by_utt(loader)
+    fresh = _by_utt(build_loader(_cfg("dali", dither=1e-5), corpus[:3], train=False))
+    undithered = _by_utt(build_loader(_cfg("dali", dither=0.0), corpus[:3], train=False))
+    for utt_id, feats in first.items():
+        np.testing.assert_array_equal(second[utt_id], feats, err_msg=utt_id)
+        np.testing.assert_array_equal(fresh[utt_id], feats, err_msg=utt_id)
+    assert any(np.abs(first[u] - undithered[u]).max() > 1e-3 for u in first)  # dither is on
+
+
 def _first_batch_error(cfg: Config, utts: list[Utterance]) -> BaseException | None:
     """Iterate in a thread with a deadline: a hang fails the test instead of blocking CI."""
     box: list[BaseException] = []
