@@ -236,11 +236,12 @@ class TransducerLoss:
         p = dropout.p if isinstance(dropout, torch.nn.Dropout) and joint.training else 0.0
         # One operand dtype for the kernels (fp32 weights under autocast meet fp16 activations).
         dt = f.dtype
-        nll = self._fused_fn(
+        # reduction='mean' inside the kernel call: its gradients then come out of one pass
+        return self._fused_fn(
             f, g.to(dt), joint.fc.weight.to(dt), joint.fc.bias.to(dt), f_lens, targets,
             target_lens, blank=self.blank_idx, dropout_p=p, host_lens=host_lens,
+            reduction="mean",
         )  # fmt: skip
-        return nll.mean()
 
     def _apex(self, joint, f, g, f_lens, targets, target_lens, host_lens) -> torch.Tensor:
         dropout = joint.dropout

@@ -9,40 +9,49 @@ What it computes, for every lattice cell (b, t, u) with t < T_b and u <= U_b:
 and the per-utterance loss -log P(y_b | x_b) from the forward/backward variables over those
 (B, T, U+1) values. It is exact: every cell and every class is used (no pruning).
 
-The lattice is walked in chunks of whole utterances whose h (rows x H) and logits (rows x V)
-fit in CHUNK_BYTES; nothing proportional to B T (U+1) H or B T (U+1) V is ever allocated.
-Per chunk, forward:
+The lattice rows are walked in chunks of whole utterances whose h (rows x H), logits and
+d(logits) (rows x V, one buffer) and dh fit in CHUNK_BYTES; nothing proportional to
+B T (U+1) H or B T (U+1) V is ever allocated. Per chunk:
     1. `_hidden_kernel` writes h (relu, dropout, zero rows outside each utterance's lattice).
     2. cuBLAS: logits = h @ W^T (tensor cores, fp32 accumulation).
-    3. `_logit_stats_kernel` keeps log-sum-exp, blank and target logit per row (bias added in
-       fp32); the chunk's logits buffer is then reused.
-The row-wise kernels read and write per-row vectors (target label, log-sum-exp, transition
-weights) gathered from / scattered to the (B, T, U+1) lattice by index, so none of their loads
-waits on another. Then `_lattice_kernel` (one program per utterance, anti-diagonal steps)
-gives alpha, beta and log P from those (B, T, U+1) values. Backward, per chunk: h and the
-logits are recomputed (steps 1-2), `_dlogits_kernel` overwrites the logits with d(logits) =
-occupancy * softmax - blank/label posteriors, cuBLAS forms dW += d(logits)^T h (fp32 output)
-and dh = d(logits) W, and `_grad_fg_kernel` reduces dh * relu' over u (df) and over t (dg).
-That is four GEMMs of rows x H x V per step, the minimum with recomputation; everything else
-is one pass over memory.
+    3. `_logit_stats_kernel` keeps each row's log-sum-exp and blank / target log-probabilities
+       (bias added in fp32).
+    4. `_lattice_kernel` walks the chunk's utterances' lattices by anti-diagonals (alpha and
+       beta in parallel programs), `_posteriors_kernel` turns them into each row's occupancy
+       and blank / label transition posteriors.
+    5. `_dlogits_kernel` overwrites the logits with d(logits) = occupancy * softmax - blank /
+       label posteriors; cuBLAS forms dW += d(logits)^T h (fp32) and dh = d(logits) W; and
+       `_grad_fg_kernel` reduces dh * relu' over u (df) and over t (dg).
+Steps 4-5 need the loss's output gradient only as a factor when that is one number (reduction
+'mean' or 'sum', what training uses): they run in the forward pass, with unit weights, and the
+backward scales the stored df, dg, dW, d bias. Three GEMMs of rows x H x V, h generated once.
+With per-utterance output gradients (reduction 'none') the forward stops after step 3 and a
+whole-batch lattice; the backward redoes steps 1-2 and runs 5 with each utterance's weight:
+four GEMMs. All row-wise kernels read and write per-row vectors, so none of their loads waits
+on another, and all lattice values are addressed by row (no (B, T, U+1) copies).
 
-Measured on one H200 (fp16, dropout 0.3, torch 2.11, Triton 3.6) at (B, T, U) = (192, 204, 44):
-16.8-17.7 ms forward + backward across runs, 1.27 GiB extra (torchaudio's padded joint +
-loss: 67 ms, 11 GiB).
-The four GEMMs take 9.4 ms at ~790 TFLOP/s; the memory-bound kernels most of the rest
-(d(logits) 2.2 ms, df/dg 1.5 ms, h 1.4 ms, logit stats 1.1 ms), near 3 TB/s each. Two fused
-designs measured slower:
-  - one Triton kernel with the logits only in registers (the previous version of this file):
+Measured on one H200 (fp16, dropout 0.3, torch 2.11, Triton 3.6), forward + backward of the
+mean, same run: (B, T, U) = (192, 204, 44) 14.4 ms and 1.16 GiB extra (the two-pass schedule:
+17.3 ms, 1.27 GiB; torchaudio's padded joint + loss: 67 ms, 11 GiB); a LibriSpeech-shaped ragged
+batch of 192, packed, 24.3 ms (27.0 two-pass). Where the 13.6 ms of kernel time at
+(192, 204, 44) goes: the three GEMMs 6.9 ms (~800 TFLOP/s), d(logits) 2.2 ms, df/dg 1.5 ms,
+stats 1.1 ms, h 0.8 ms, lattice 0.7 ms (seven chunks, ~0.1 ms each: latency of ~250 dependent
+diagonals), the rest 0.4 ms; the memory-bound kernels run near 3 TB/s. Measured and not kept:
+df / dg reading the relu / dropout gate as bits instead of h (slower: the bit loads are as
+many sector reads as h's, plus the unpacking), its reduction on a side stream beside the next
+chunk (0.2 ms for a second h buffer), lattice loads two diagonals ahead (slower). Two fused
+designs measured slower still:
+  - one Triton kernel with the logits only in registers (an earlier version of this file):
     the backward needs dW, a reduction over all rows, and dh, a reduction over all V, from the
     same d(logits) tile, so holding either accumulator on chip recomputes the logits GEMM per
     H- or V-slice: 74 ms without dropout, 97 ms with it;
   - Triton GEMMs with the log-sum-exp / d(logits) work in their epilogues (no logits written
-    at all): 21.4 ms at the best of nine tile shapes, because Triton's GEMM at K = 512 runs
-    well below cuBLAS and the epilogue's exponentials do not overlap the MMAs.
+    at all, two-pass): 21.4 ms at the best of nine tile shapes, because Triton's GEMM at
+    K = 512 runs well below cuBLAS and the epilogue's exponentials do not overlap the MMAs.
 Row layouts: without host lengths the rows are the padded (B, T_max, U_max + 1) box (rows past
 T_b or U_b are zeros, computed anyway). With `host_lens` (the input pipeline knows the lengths on
-the host, so no sync) they are packed: only sum_b T_b (U_b + 1) rows. On a LibriSpeech-shaped
-ragged batch of 192 (2.57M lattice cells in a 5.90M-cell box) that is 27.7 ms instead of 53.5 ms.
+the host, so no sync) they are packed: only sum_b T_b (U_b + 1) rows (2.57M lattice cells of a
+5.90M-cell box on the ragged batch above).
 
 Dropout: unit k of cell (b, t, u) is kept when its 16 bits of an integer hash of (seed, b,
 cell, k // 2) are >= p * 2^16 (one hash per pair of units), regenerated identically in forward
@@ -54,6 +63,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -63,8 +73,8 @@ _NEG = -1e30  # log(0) stand-in, as in rnnt.loss
 _KNEG = tl.constexpr(_NEG)  # the same, readable inside kernels
 
 # Bytes of h, logits and dh per chunk of utterances. 1 GiB keeps the extra memory of a step at
-# (192, 204, 44) fp16 near 1.3 GiB while each GEMM is still ~250k rows (full tensor-core speed;
-# 512 MiB measured 10% slower, 2 GiB 3% faster at twice the memory).
+# (192, 204, 44) fp16 near 1.2 GiB while each GEMM is still ~250k rows (full tensor-core speed;
+# 512 MiB measured 10% slower, 2 GiB 3% faster at twice the memory, two-pass schedule).
 CHUNK_BYTES = 1 << 30
 # Launch shapes of the memory-bound kernels (swept on an H200, fp16, at (192, 204, 44) and on
 # a ragged LibriSpeech batch of 192; these are the fastest on both).
@@ -74,6 +84,7 @@ STATS_LAUNCH = (1024, 1, 64)  # `_logit_stats_kernel`: one row per warp
 DLOGITS_LAUNCH = (2048, 8, 8)  # `_dlogits_kernel`
 HIDDEN_U_TILE = 16  # label states per program of `_hidden_kernel` (one frame, all of H)
 HIDDEN_WARPS = 4
+LATTICE_WARPS = 1  # `_lattice_kernel`: the diagonal's lane shifts stay inside one warp
 FG_H_TILE = 32  # hidden units per program of the df / dg reduction
 FG_PROGRAMS_PER_SM = 16  # frame splits are added until the reduction has this many programs
 MAX_FG_U_TILE = 128  # label states per program there; more than this and df uses atomics
@@ -106,82 +117,126 @@ def _logaddexp(a, b):
     return top + tl.log(tl.exp(a - top) + tl.exp(b - top))
 
 
-@triton.jit(do_not_specialize=["T", "U1"])
-def _lattice_kernel(
-    lpb_ptr, lpl_ptr, flen_ptr, tlen_ptr, alpha_ptr, beta_ptr, ll_ptr, T, U1,
-    BLOCK_U: tl.constexpr,
-):  # fmt: skip
-    """alpha, beta (B, T, U+1) and log P (B,) for one utterance per program.
+@triton.jit
+def _utterance_rows(b, u_len, offs_ptr, T, U1, PACKED: tl.constexpr):
+    """(first row, rows per frame) of utterance b's lattice: cell (t, u) is row first + t
+    stride + u (int64). Packed: from offs[b], U_b + 1 per frame; padded: the (B, T, U+1) box."""
+    if PACKED:
+        return tl.load(offs_ptr + b), (u_len + 1).to(tl.int64)
+    return b.to(tl.int64) * T * U1, (U1 + 0 * u_len).to(tl.int64)
 
-    Buffers start at _NEG; only cells inside the utterance's lattice are written.
+
+@triton.jit
+def _diagonal(lpb_ptr, lpl_ptr, first, stride, n, t_len, u_len, BLOCK_U: tl.constexpr,
+              ALPHA: tl.constexpr):  # fmt: skip
+    """Anti-diagonal n's lanes u: whether cell (n - u, u) is in the lattice, its row, and the
+    two log-probabilities the recursion adds there (alpha: the blank from above and the label
+    from the left; beta: the cell's own blank and label), log 0 where a move does not exist."""
+    u = tl.arange(0, BLOCK_U)
+    t = n - u
+    ok = (t >= 0) & (t < t_len) & (u <= u_len)
+    row = first + t * stride + u
+    if ALPHA:
+        lpb = tl.load(lpb_ptr + row - stride, mask=ok & (t >= 1), other=_KNEG)
+        lpl = tl.load(lpl_ptr + row - 1, mask=ok & (u >= 1), other=_KNEG)
+    else:
+        lpb = tl.load(lpb_ptr + row, mask=ok, other=_KNEG)
+        lpl = tl.load(lpl_ptr + row, mask=ok & (u < u_len), other=_KNEG)
+    return ok, row, lpb, lpl
+
+
+@triton.jit(do_not_specialize=["T", "U1", "b0"])
+def _lattice_kernel(
+    lpb_ptr, lpl_ptr, offs_ptr, flen_ptr, tlen_ptr, alpha_ptr, beta_ptr, ll_ptr, b0, T, U1,
+    BLOCK_U: tl.constexpr, PACKED: tl.constexpr,
+):  # fmt: skip
+    """alpha (program (i, 0)) or beta and log P (program (i, 1)) of utterance b0 + i, by rows.
+
+    One anti-diagonal n = t + u per step, lane u holding cell (n - u, u): the diagonal stays in
+    registers and the neighbour on the previous diagonal is a lane shift (`tl.gather`), so the
+    only memory traffic of the sequential walk are the two transition log-probabilities per
+    cell, loaded one diagonal ahead of their use (two ahead measured slower: the walk is
+    bound by its arithmetic and lane shifts). Only cells inside the lattice are written.
     """
-    b = tl.program_id(0)
+    b = b0 + tl.program_id(0)
     t_len = tl.load(flen_ptr + b)
     u_len = tl.load(tlen_ptr + b)
-    base = b * T * U1
+    first, stride = _utterance_rows(b, u_len, offs_ptr, T, U1, PACKED)
     u = tl.arange(0, BLOCK_U)
     n_diag = t_len + u_len
-    for n in range(0, n_diag):
-        t = n - u
-        ok = (t >= 0) & (t < t_len) & (u <= u_len)
-        ok_stay = ok & (t >= 1)
-        stay = tl.load(alpha_ptr + base + (t - 1) * U1 + u, mask=ok_stay, other=_KNEG)
-        stay += tl.load(lpb_ptr + base + (t - 1) * U1 + u, mask=ok_stay, other=0.0)
-        ok_emit = ok & (u >= 1)
-        emit = tl.load(alpha_ptr + base + t * U1 + u - 1, mask=ok_emit, other=_KNEG)
-        emit += tl.load(lpl_ptr + base + t * U1 + u - 1, mask=ok_emit, other=0.0)
-        a = tl.where((t == 0) & (u == 0), 0.0, _logaddexp(stay, emit))
-        tl.store(alpha_ptr + base + t * U1 + u, a, mask=ok)
-        tl.debug_barrier()  # the next diagonal reads what other threads just wrote
-    for i in range(0, n_diag):
-        n = n_diag - 1 - i
-        t = n - u
-        ok = (t >= 0) & (t < t_len) & (u <= u_len)
-        lpb = tl.load(lpb_ptr + base + t * U1 + u, mask=ok, other=0.0)
-        # Leaving the lattice by the final blank has probability one from (T_b-1, U_b).
-        after = tl.where(u == u_len, 0.0, _KNEG)
-        stay = tl.load(beta_ptr + base + (t + 1) * U1 + u, mask=ok & (t + 1 < t_len), other=after)
-        ok_emit = ok & (u < u_len)
-        emit = tl.load(beta_ptr + base + t * U1 + u + 1, mask=ok_emit, other=_KNEG)
-        emit += tl.load(lpl_ptr + base + t * U1 + u, mask=ok_emit, other=0.0)
-        tl.store(beta_ptr + base + t * U1 + u, _logaddexp(stay + lpb, emit), mask=ok)
-        tl.debug_barrier()
-    tl.store(ll_ptr + b, tl.load(beta_ptr + base))
+    if tl.program_id(1) == 0:
+        # alpha[t, u] = logaddexp(alpha[t-1, u] + lp_blank[t-1, u],
+        #                         alpha[t, u-1] + lp_label[t, u-1]), diagonals 1, 2, ...
+        left = tl.maximum(u - 1, 0)
+        alpha = tl.where(u == 0, 0.0, _KNEG)
+        tl.store(alpha_ptr + first + u, alpha, mask=u == 0)
+        ok, row, lpb, lpl = _diagonal(lpb_ptr, lpl_ptr, first, stride, 1, t_len, u_len,
+                                      BLOCK_U, True)  # fmt: skip
+        for n in range(1, n_diag):
+            nxt = _diagonal(lpb_ptr, lpl_ptr, first, stride, n + 1, t_len, u_len, BLOCK_U, True)
+            emit = tl.gather(alpha, left, 0) + lpl
+            alpha = tl.where(ok, _logaddexp(alpha + lpb, emit), _KNEG)
+            tl.store(alpha_ptr + row, alpha, mask=ok)
+            ok, row, lpb, lpl = nxt
+    else:
+        # beta[t, u] = logaddexp(beta[t+1, u] + lp_blank[t, u], beta[t, u+1] + lp_label[t, u]),
+        # diagonals n_diag - 1 down to 0; leaving by the final blank from (T_b - 1, U_b) has
+        # probability one, and beta[0, 0] = log P
+        right = tl.minimum(u + 1, BLOCK_U - 1)
+        beta = tl.where(u == u_len, 0.0, _KNEG)
+        ok, row, lpb, lpl = _diagonal(lpb_ptr, lpl_ptr, first, stride, n_diag - 1, t_len, u_len,
+                                      BLOCK_U, False)  # fmt: skip
+        for i in range(0, n_diag):
+            nxt = _diagonal(lpb_ptr, lpl_ptr, first, stride, n_diag - 2 - i, t_len, u_len,
+                            BLOCK_U, False)  # fmt: skip
+            emit = tl.gather(beta, right, 0) + lpl
+            beta = tl.where(ok, _logaddexp(beta + lpb, emit), _KNEG)
+            tl.store(beta_ptr + row, beta, mask=ok)
+            ok, row, lpb, lpl = nxt
+        tl.store(ll_ptr + b, tl.sum(tl.where(u == 0, beta, 0.0), axis=0))
 
 
-@triton.jit(do_not_specialize=["T", "U1"])
+@triton.jit(do_not_specialize=["T", "U1", "b0"])
 def _posteriors_kernel(
-    lpb_ptr, lpl_ptr, flen_ptr, tlen_ptr, alpha_ptr, beta_ptr, ll_ptr, occ_ptr, wb_ptr, wl_ptr,
-    T, U1, BT: tl.constexpr, BLOCK_U: tl.constexpr,
+    lpb_ptr, lpl_ptr, offs_ptr, flen_ptr, tlen_ptr, alpha_ptr, beta_ptr, ll_ptr, weight_ptr,
+    occ_ptr, wb_ptr, wl_ptr, b0, T, U1, BT: tl.constexpr, BLOCK_U: tl.constexpr,
+    PACKED: tl.constexpr, WEIGHTED: tl.constexpr,
 ):  # fmt: skip
-    """Transition posteriors (B, T, U+1) of BT frames of one utterance, each in [0, 1] and 0
-    outside the lattice (every cell of the box is written): those of d(-log P)/d lp,
+    """Transition posteriors of BT frames of utterance b0 + program_id(0), by rows, each in
+    [0, 1] (times the utterance's weight, if WEIGHTED) and 0 outside the lattice: those of
+    d(-log P)/d lp,
         w_blank[t, u] = exp(alpha[t, u] + lp_blank[t, u] + beta[t+1, u] - log P), with beta
             just past the last frame = 0 at u = U_b (the final blank) and log 0 elsewhere;
         w_label[t, u] = exp(alpha[t, u] + lp_label[t, u] + beta[t, u+1] - log P), u < U_b;
         occ = w_blank + w_label (the occupancy of the cell).
+    Padded rows outside the lattice get 0 (the row kernels read every row of the box).
     """
-    b = tl.program_id(0)
+    b = b0 + tl.program_id(0)
     t = tl.program_id(1) * BT + tl.arange(0, BT)[:, None]
     u = tl.arange(0, BLOCK_U)[None, :]
     t_len = tl.load(flen_ptr + b)
     u_len = tl.load(tlen_ptr + b)
-    log_lik = tl.load(ll_ptr + b)
-    at = (b * T + t) * U1 + u
+    first, stride = _utterance_rows(b, u_len, offs_ptr, T, U1, PACKED)
+    row = first + t * stride + u
     ok = (t < t_len) & (u <= u_len)
-    alpha = tl.load(alpha_ptr + at, mask=ok, other=_KNEG)
+    alpha = tl.load(alpha_ptr + row, mask=ok, other=_KNEG)
     after = tl.where(u == u_len, 0.0, _KNEG)
-    stay = tl.load(beta_ptr + at + U1, mask=ok & (t + 1 < t_len), other=after)
-    stay += tl.load(lpb_ptr + at, mask=ok, other=0.0)
+    stay = tl.load(beta_ptr + row + stride, mask=ok & (t + 1 < t_len), other=after)
+    stay += tl.load(lpb_ptr + row, mask=ok, other=0.0)
     ok_emit = ok & (u < u_len)
-    emit = tl.load(beta_ptr + at + 1, mask=ok_emit, other=_KNEG)
-    emit += tl.load(lpl_ptr + at, mask=ok_emit, other=0.0)
+    emit = tl.load(beta_ptr + row + 1, mask=ok_emit, other=_KNEG)
+    emit += tl.load(lpl_ptr + row, mask=ok_emit, other=0.0)
+    log_lik = tl.load(ll_ptr + b)
     w_blank = tl.where(ok, tl.exp(alpha + stay - log_lik), 0.0)
     w_label = tl.where(ok_emit, tl.exp(alpha + emit - log_lik), 0.0)
-    in_box = (t < T) & (u < U1)
-    tl.store(wb_ptr + at, w_blank, mask=in_box)
-    tl.store(wl_ptr + at, w_label, mask=in_box)
-    tl.store(occ_ptr + at, w_blank + w_label, mask=in_box)
+    if WEIGHTED:
+        weight = tl.load(weight_ptr + b)
+        w_blank *= weight
+        w_label *= weight
+    store_ok = ok if PACKED else (t < T) & (u < U1)
+    tl.store(wb_ptr + row, w_blank, mask=store_ok)
+    tl.store(wl_ptr + row, w_label, mask=store_ok)
+    tl.store(occ_ptr + row, w_blank + w_label, mask=store_ok)
 
 
 @triton.jit
@@ -249,11 +304,11 @@ def _hidden_kernel(
 
 @triton.jit(do_not_specialize=["row0", "n_rows"])
 def _logit_stats_kernel(
-    logits_ptr, bias_ptr, label_ptr, lse_ptr, blank_ptr, target_ptr, row0, n_rows, V, blank,
+    logits_ptr, bias_ptr, label_ptr, lse_ptr, lpb_ptr, lpl_ptr, row0, n_rows, V, blank,
     BR: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
-    """Per chunk row r: log-sum-exp over the classes, the blank logit and the target logit
-    (bias added in fp32), written at batch row row0 + r.
+    """Per chunk row r, written at batch row row0 + r: the log-sum-exp over the classes and the
+    log-probabilities of blank and of the target label (bias added in fp32).
 
     Persistent: program p takes blocks p, p + P, ... of BR whole rows (BN >= V), so each logit
     is read once with no online rescale; the blank and target logits are two gathers. Every
@@ -276,8 +331,8 @@ def _logit_stats_kernel(
         top = tl.max(s, axis=1)
         lse = top + tl.log(tl.sum(tl.exp(s - top[:, None]), axis=1))
         tl.store(lse_ptr + row0 + r, lse, mask=ok)
-        tl.store(blank_ptr + row0 + r, s_blank + bias_blank, mask=ok)
-        tl.store(target_ptr + row0 + r, s_label, mask=ok)
+        tl.store(lpb_ptr + row0 + r, s_blank + bias_blank - lse, mask=ok)
+        tl.store(lpl_ptr + row0 + r, s_label - lse, mask=ok)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows"])
@@ -406,7 +461,6 @@ class _Layout:
     """
 
     def __init__(self, host_lens, bsz, t_max, u1, dev):
-        self.shape = (bsz, t_max, u1)
         sizes = [t_max * u1] * bsz
         if host_lens is not None:
             sizes = [t * (u + 1) for t, u in zip(*host_lens, strict=True)]
@@ -431,18 +485,14 @@ class _Layout:
         else:
             self.offs = torch.zeros(1, dtype=torch.int64, device=dev)  # the kernels never read it
 
+    @property
+    def n_rows(self) -> int:
+        return self.starts[-1]
+
     def rows(self, lattice: torch.Tensor) -> torch.Tensor:
         """(B, T, U+1) lattice values -> one per row (contiguous)."""
         flat = lattice.reshape(-1)
         return flat[self.cells] if self.packed else flat.contiguous()
-
-    def lattice(self, rows: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-        """One value per row -> (B, T, U+1), `fill` at cells that have no row."""
-        if not self.packed:
-            return rows.view(self.shape)
-        out = torch.full(self.shape, fill, dtype=rows.dtype, device=rows.device)
-        out.view(-1)[self.cells] = rows
-        return out
 
     def chunks(self, rows_per_chunk: int) -> list[tuple[int, int]]:
         """(b0, bc) of consecutive utterances whose rows fit in rows_per_chunk (at least one)."""
@@ -455,6 +505,20 @@ class _Layout:
             out.append((b0, b1 - b0))
             b0 = b1
         return out
+
+
+class _Chunk(NamedTuple):
+    """Utterances [b0, b0 + bc), whose n lattice rows start at batch row row0, and the views
+    of the chunk buffers that hold their rows."""
+
+    b0: int
+    bc: int
+    row0: int
+    n: int
+    h: torch.Tensor  # (n, H) dropout(relu(f + g))
+    logits: torch.Tensor  # (n, V), overwritten by d(logits) when `dl` is the same buffer
+    dl: torch.Tensor  # (n, V)
+    dh: torch.Tensor | None  # (n, H); None without gradients
 
 
 class _Chunks:
@@ -480,145 +544,224 @@ class _Chunks:
         self.logits = torch.empty(rows, v, dtype=logits_dtype, device=device)
         # d(logits) overwrite the logits in place unless those are wider (bf16 inputs)
         self.dl = torch.empty(rows, v, dtype=dtype, device=device) if separate_dl else self.logits
-        self.dh = torch.empty(rows, hid, dtype=dtype, device=device) if backward else self.h
+        self.dh = torch.empty(rows, hid, dtype=dtype, device=device) if backward else None
         self.rows = rows
 
     def __iter__(self):
         for b0, bc, row0, n in self.spans:
-            yield b0, bc, row0, n, self.h[:n], self.logits[:n], self.dl[:n], self.dh[:n]
+            dh = None if self.dh is None else self.dh[:n]
+            yield _Chunk(b0, bc, row0, n, self.h[:n], self.logits[:n], self.dl[:n], dh)
+
+
+class _Problem:
+    """One call's inputs as the kernels take them: contiguous operands, int32 lengths on the
+    device, the row layout, each row's target label and the dropout constants."""
+
+    def __init__(self, f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank,
+                 p_drop, seed):  # fmt: skip
+        self.bsz, self.t_max, self.hid = f.shape
+        self.u1 = g.shape[1]
+        self.v = weight.shape[0]
+        self.dev = f.device
+        self.f, self.g, self.weight, self.bias = (x.contiguous() for x in (f, g, weight, bias))
+        self.f_lens = f_lens.to(self.dev, torch.int32).contiguous()
+        self.target_lens = target_lens.to(self.dev, torch.int32).contiguous()
+        self.blank = blank
+        self.has_dropout = p_drop > 0.0
+        self.gate_scale = 1.0 / (1.0 - p_drop) if self.has_dropout else 1.0
+        self.dropout = (seed, _threshold(p_drop), self.gate_scale)  # the hidden kernel's args
+        self.layout = _Layout(host_lens, self.bsz, self.t_max, self.u1, self.dev)
+        tgt = torch.zeros(self.bsz, self.u1, dtype=torch.int32, device=self.dev)
+        tgt[:, : self.u1 - 1] = targets.clamp(0, self.v - 1)
+        self.label_rows = self.layout.rows(tgt.unsqueeze(1).expand(self.bsz, self.t_max, self.u1))
+
+    def chunks(self, backward: bool) -> _Chunks:
+        return _Chunks(self.layout, self.hid, self.v, self.f.dtype, self.dev, backward)
+
+    def logits(self, chunk: _Chunk, stats=None):
+        """h and logits of a chunk; with `stats`, also the chunk rows' log-sum-exp and
+        transition log-probabilities."""
+        b0, bc, row0, n, h, logits = chunk[:6]
+        layout = self.layout
+        _hidden_kernel[(bc * self.t_max, triton.cdiv(self.u1, HIDDEN_U_TILE))](
+            self.f, self.g, self.f_lens, self.target_lens, layout.offs, h, b0, row0, self.t_max,
+            self.u1, self.hid, *self.dropout, BU=HIDDEN_U_TILE, HP=_hp(self.hid),
+            DROPOUT=self.has_dropout, PACKED=layout.packed, num_warps=HIDDEN_WARPS,
+        )  # fmt: skip
+        w_t = self.weight.t()
+        if logits.dtype == h.dtype:
+            torch.mm(h, w_t, out=logits)
+        else:
+            # bf16: the fp32 product is a temporary of the chunk's logits size, so a bf16 step
+            # holds about one more logits chunk than CHUNK_BYTES accounts for.
+            logits.copy_(_mm_fp32(h, w_t))
+        if stats is not None:
+            br, bn, warps, programs = _row_launch(STATS_LAUNCH, self.v, n, self.dev)
+            _logit_stats_kernel[(programs,)](
+                logits, self.bias, self.label_rows, stats.lse, stats.lp_blank, stats.lp_label,
+                row0, n, self.v, self.blank, BR=br, BN=bn, num_warps=warps,
+            )  # fmt: skip
+
+
+class _Lattice:
+    """Per-row lattice values of a batch (fp32, one per row of the layout): log-sum-exp,
+    transition log-probabilities, alpha, beta and the transition posteriors; log P per
+    utterance."""
+
+    def __init__(self, prob: _Problem):
+        self.prob = prob
+        (self.lse, self.lp_blank, self.lp_label, self.alpha, self.beta, self.occ, self.w_blank,
+         self.w_label) = torch.empty(8, prob.layout.n_rows, device=prob.dev)  # fmt: skip
+        self.log_lik = torch.empty(prob.bsz, dtype=torch.float32, device=prob.dev)
+        self.block_u = max(16, triton.next_power_of_2(prob.u1))
+
+    def solve(self, b0: int, bc: int) -> None:
+        """alpha, beta and log P of utterances [b0, b0 + bc), whose rows' log-probabilities
+        must be in place."""
+        prob = self.prob
+        _lattice_kernel[(bc, 2)](
+            self.lp_blank, self.lp_label, prob.layout.offs, prob.f_lens, prob.target_lens,
+            self.alpha, self.beta, self.log_lik, b0, prob.t_max, prob.u1, BLOCK_U=self.block_u,
+            PACKED=prob.layout.packed, num_warps=LATTICE_WARPS,
+        )  # fmt: skip
+
+    def posteriors(self, b0: int, bc: int, weights: torch.Tensor | None = None):
+        """(occupancy, w_blank, w_label) rows, those of utterances [b0, b0 + bc) filled in (times
+        weights[b] when given)."""
+        prob = self.prob
+        bt = max(1, 2048 // self.block_u)
+        _posteriors_kernel[(bc, triton.cdiv(prob.t_max, bt))](
+            self.lp_blank, self.lp_label, prob.layout.offs, prob.f_lens, prob.target_lens,
+            self.alpha, self.beta, self.log_lik, self.log_lik if weights is None else weights,
+            self.occ, self.w_blank, self.w_label, b0, prob.t_max, prob.u1, BT=bt,
+            BLOCK_U=self.block_u, PACKED=prob.layout.packed, WEIGHTED=weights is not None,
+        )  # fmt: skip
+        return self.occ, self.w_blank, self.w_label
+
+
+class _Gradients:
+    """fp32 gradients of the posterior-weighted loss w.r.t. the joint's pre-gate f and g, W and
+    bias, accumulated chunk by chunk from the chunk's h and logits: d(logits) in place of the
+    logits, then dW += d(logits)^T h, dh = d(logits) W and the df / dg reductions."""
+
+    def __init__(self, prob: _Problem, chunks: _Chunks):
+        dev = prob.dev
+        hid, v, u1, t_max = prob.hid, prob.v, prob.u1, prob.t_max
+        self.dtypes = tuple(x.dtype for x in (prob.f, prob.g, prob.weight, prob.bias))
+        self.gate_scale = prob.gate_scale
+        self.dl_launch = _row_launch(DLOGITS_LAUNCH, v, chunks.rows, dev)
+        self.bu = min(MAX_FG_U_TILE, max(16, triton.next_power_of_2(u1)))
+        fg_tiles = chunks.max_bc * triton.cdiv(hid, FG_H_TILE) * triton.cdiv(u1, self.bu)
+        self.splits = max(1, min(t_max, triton.cdiv(FG_PROGRAMS_PER_SM * _num_sms(dev), fg_tiles)))
+        self.max_bc = chunks.max_bc
+        self.dw = torch.zeros(v, hid, dtype=torch.float32, device=dev)
+        self.dbias_part = torch.empty(self.dl_launch[3], v, dtype=torch.float32, device=dev)
+        self.dbias_chunks = torch.empty(len(chunks.spans), v, dtype=torch.float32, device=dev)
+        self.chunks_done = 0
+        self.df = torch.zeros(prob.bsz, t_max, hid, dtype=torch.float32, device=dev)
+        self.dg = torch.empty(prob.bsz, u1, hid, dtype=torch.float32, device=dev)
+        self.dg_part = torch.empty(self.splits, chunks.max_bc, u1, hid, dtype=torch.float32,
+                                   device=dev)  # fmt: skip
+
+    def add(self, prob: _Problem, chunk: _Chunk, lse: torch.Tensor, posteriors) -> None:
+        b0, bc, row0, n, h, logits, dl, dh = chunk
+        br, bn, warps, programs = self.dl_launch
+        _dlogits_kernel[(programs,)](
+            logits, dl, prob.bias, prob.label_rows, lse, *posteriors,
+            self.dbias_part, row0, n, prob.v, prob.blank, BR=br, BN=bn, num_warps=warps,
+        )  # fmt: skip
+        torch.sum(self.dbias_part, 0, out=self.dbias_chunks[self.chunks_done])
+        self.chunks_done += 1
+        self.dw += _mm_fp32(dl.t(), h)
+        torch.mm(dl, prob.weight, out=dh)
+        t_per_split = triton.cdiv(prob.t_max, self.splits)
+        grid = (bc, triton.cdiv(prob.hid, FG_H_TILE), self.splits * triton.cdiv(prob.u1, self.bu))
+        _grad_fg_kernel[grid](
+            dh, h, prob.f_lens, prob.target_lens, prob.layout.offs, self.df, self.dg_part, b0,
+            row0, self.max_bc, prob.t_max, prob.u1, prob.hid, t_per_split, BU=self.bu,
+            BK=FG_H_TILE, ATOMIC_DF=prob.u1 > self.bu, PACKED=prob.layout.packed,
+        )  # fmt: skip
+        # chunks hold whole utterances: each row of dg is written once
+        torch.sum(self.dg_part[:, :bc], 0, out=self.dg[b0 : b0 + bc])
+
+    def results(self, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(df, dg, dW, d bias) times `scale` (a device scalar) in the operands' dtypes, with
+        the dropout gate's 1 / (1 - p) applied to df and dg."""
+        gate = scale * self.gate_scale
+        dbias = self.dbias_chunks.sum(0)
+        grads = (self.df * gate, self.dg * gate, self.dw * scale, dbias * scale)
+        return tuple(x.to(dtype) for x, dtype in zip(grads, self.dtypes, strict=True))
+
+
+REDUCTIONS = ("none", "sum", "mean")
 
 
 class _FusedJointLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx, f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, p_drop, seed
-    ):
-        bsz, t_max, hid = f.shape
-        u1 = g.shape[1]
-        v = weight.shape[0]
-        dev = f.device
-        f, g, weight, bias = (x.contiguous() for x in (f, g, weight, bias))
-        f_lens = f_lens.to(dev, torch.int32).contiguous()
-        target_lens = target_lens.to(dev, torch.int32).contiguous()
-        tgt = torch.zeros(bsz, u1, dtype=torch.int32, device=dev)
-        tgt[:, : u1 - 1] = targets.clamp(0, v - 1)
-        dropout = p_drop > 0.0
-        scale = 1.0 / (1.0 - p_drop) if dropout else 1.0
-        consts = (seed, _threshold(p_drop), scale, dropout)
-        layout = _Layout(host_lens, bsz, t_max, u1, dev)
-        label_rows = layout.rows(tgt.unsqueeze(1).expand(bsz, t_max, u1))
-        n_rows = layout.starts[-1]
-        lse_rows, blank_rows, target_rows = torch.empty(3, n_rows, dtype=torch.float32, device=dev)
-        chunks = _Chunks(layout, hid, v, f.dtype, dev, backward=False)
-        w_t = weight.t()
-        br, bn, warps, programs = _row_launch(STATS_LAUNCH, v, chunks.rows, dev)
-        for b0, bc, row0, n, h, logits, _, _ in chunks:
-            _hidden(f, g, f_lens, target_lens, layout, h, b0, bc, row0, *consts)
-            _logits(h, w_t, logits)
-            _logit_stats_kernel[(programs,)](
-                logits, bias, label_rows, lse_rows, blank_rows, target_rows, row0, n, v, blank,
-                BR=br, BN=bn, num_warps=warps,
-            )  # fmt: skip
-        del chunks
-        lp_blank = layout.lattice(blank_rows - lse_rows)
-        lp_label = layout.lattice(target_rows - lse_rows)
-        log_lik, posteriors = _lattice(lp_blank, lp_label, f_lens, target_lens)
-        ctx.save_for_backward(f, g, weight, bias, f_lens, target_lens, label_rows, lse_rows,
-                              posteriors)  # fmt: skip
-        ctx.consts = (blank, consts)
-        ctx.layout = layout
-        return -log_lik
+    """Two schedules over the same kernels.
+
+    reduction 'sum' / 'mean' with gradients wanted: one pass. The output gradient of a scalar
+    loss is one number, so each chunk's gradients can be formed right after its logits, before
+    that gradient is known, and scaled in `backward`: per chunk h, logits, stats, the lattice
+    of its utterances, d(logits), dW, dh, df / dg. Three GEMMs per chunk and h generated once.
+    reduction 'none' (or no gradient wanted): the forward keeps only the per-row statistics;
+    the backward, given one output gradient per utterance, recomputes h and the logits chunk by
+    chunk (four GEMMs).
+    """
 
     @staticmethod
-    def backward(ctx, grad_nll):
-        (f, g, weight, bias, f_lens, target_lens, label_rows, lse_rows,
-         posteriors) = ctx.saved_tensors  # fmt: skip
-        blank, consts = ctx.consts
-        bsz, t_max, hid = f.shape
-        u1 = g.shape[1]
-        v = weight.shape[0]
-        dev = f.device
-        # The kernels work on ratio_b = go_b / max|go| so that half-precision d(logits) stay in
+    def forward(ctx, f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, p_drop,
+                seed, reduction, one_pass):  # fmt: skip
+        prob = _Problem(f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank,
+                        p_drop, seed)  # fmt: skip
+        lattice = _Lattice(prob)
+        chunks = prob.chunks(backward=one_pass)
+        grads = _Gradients(prob, chunks) if one_pass else None
+        for chunk in chunks:
+            prob.logits(chunk, stats=lattice)
+            if one_pass:
+                b0, bc = chunk[:2]
+                lattice.solve(b0, bc)
+                grads.add(prob, chunk, lattice.lse, lattice.posteriors(b0, bc))
+        del chunks
+        if not one_pass:
+            lattice.solve(0, prob.bsz)
+        nll = -lattice.log_lik
+        ctx.reduction, ctx.bsz = reduction, prob.bsz
+        if one_pass:
+            ctx.grads = grads
+        else:
+            ctx.prob, ctx.lattice = prob, lattice
+            # the operands go through save_for_backward (in-place changes are then caught)
+            ctx.save_for_backward(prob.f, prob.g, prob.weight, prob.bias)
+        if reduction == "sum":
+            return nll.sum()
+        return nll.mean() if reduction == "mean" else nll
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.reduction != "none":
+            scale = grad_out.float() / (ctx.bsz if ctx.reduction == "mean" else 1)
+            return (*ctx.grads.results(scale), *[None] * 9)
+        prob = ctx.prob
+        prob.f, prob.g, prob.weight, prob.bias = ctx.saved_tensors
+        # The kernels work on weight_b = go_b / max|go| so that half-precision d(logits) stay in
         # [-1, 1] and never shrink into subnormals under a 1/B mean; max|go| is applied to the
         # fp32 results at the end (a device tensor: no host sync).
-        go = grad_nll.float()
+        go = grad_out.float()
         go_max = go.abs().amax().clamp_min(1e-30)
-        ratio = (go / go_max).view(-1, 1, 1)
-        layout = ctx.layout
-        occ, w_blank, w_label = (layout.rows(w * ratio) for w in posteriors)
-
-        sms = _num_sms(dev)
-        chunks = _Chunks(layout, hid, v, f.dtype, dev, backward=True)
-        br, bn, warps, dl_programs = _row_launch(DLOGITS_LAUNCH, v, chunks.rows, dev)
-        bu = min(MAX_FG_U_TILE, max(16, triton.next_power_of_2(u1)))
-        fg_tiles = chunks.max_bc * triton.cdiv(hid, FG_H_TILE) * triton.cdiv(u1, bu)
-        splits = max(1, min(t_max, triton.cdiv(FG_PROGRAMS_PER_SM * sms, fg_tiles)))
-        t_per_split = triton.cdiv(t_max, splits)
-
-        dw = torch.zeros(v, hid, dtype=torch.float32, device=dev)
-        dbias_part = torch.empty(dl_programs, v, dtype=torch.float32, device=dev)
-        dbias = torch.zeros(v, dtype=torch.float32, device=dev)
-        df = torch.zeros(bsz, t_max, hid, dtype=torch.float32, device=dev)
-        dg = torch.zeros(bsz, u1, hid, dtype=torch.float32, device=dev)
-        dg_part = torch.empty(splits, chunks.max_bc, u1, hid, dtype=torch.float32, device=dev)
-        w_t = weight.t()
-        for b0, bc, row0, n, h, logits, dl, dh in chunks:
-            _hidden(f, g, f_lens, target_lens, layout, h, b0, bc, row0, *consts)
-            _logits(h, w_t, logits)
-            _dlogits_kernel[(dl_programs,)](
-                logits, dl, bias, label_rows, lse_rows, occ, w_blank, w_label, dbias_part, row0,
-                n, v, blank, BR=br, BN=bn, num_warps=warps,
-            )  # fmt: skip
-            dbias += dbias_part.sum(0)
-            dw += _mm_fp32(dl.t(), h)
-            torch.mm(dl, weight, out=dh)
-            _grad_fg_kernel[(bc, triton.cdiv(hid, FG_H_TILE), splits * triton.cdiv(u1, bu))](
-                dh, h, f_lens, target_lens, layout.offs, df, dg_part, b0, row0, chunks.max_bc,
-                t_max, u1, hid, t_per_split, BU=bu, BK=FG_H_TILE, ATOMIC_DF=u1 > bu,
-                PACKED=layout.packed,
-            )  # fmt: skip
-            dg[b0 : b0 + bc] += dg_part[:, :bc].sum(0)
-        gate = go_max * consts[2]
-        return (
-            (df * gate).to(f.dtype), (dg * gate).to(g.dtype), (dw * go_max).to(weight.dtype),
-            (dbias * go_max).to(bias.dtype), None, None, None, None, None, None, None,
-        )  # fmt: skip
-
-
-def _lattice(lp_blank, lp_label, f_lens, target_lens):
-    """log P (B,) and the transition posteriors (occupancy, blank, label), (3, B, T, U+1), of
-    the lattices of log-probabilities lp_blank / lp_label (B, T, U+1) fp32."""
-    bsz, t_max, u1 = lp_blank.shape
-    alpha = torch.full_like(lp_blank, _NEG)
-    beta = torch.full_like(lp_blank, _NEG)
-    log_lik = torch.empty(bsz, dtype=torch.float32, device=lp_blank.device)
-    block_u = max(16, triton.next_power_of_2(u1))
-    _lattice_kernel[(bsz,)](
-        lp_blank, lp_label, f_lens, target_lens, alpha, beta, log_lik, t_max, u1,
-        BLOCK_U=block_u,
-    )  # fmt: skip
-    posteriors = torch.empty(3, bsz, t_max, u1, dtype=torch.float32, device=lp_blank.device)
-    bt = max(1, 2048 // block_u)
-    _posteriors_kernel[(bsz, triton.cdiv(t_max, bt))](
-        lp_blank, lp_label, f_lens, target_lens, alpha, beta, log_lik, *posteriors, t_max, u1,
-        BT=bt, BLOCK_U=block_u,
-    )  # fmt: skip
-    return log_lik, posteriors
+        lattice = ctx.lattice
+        posteriors = lattice.posteriors(0, prob.bsz, weights=go / go_max)
+        chunks = prob.chunks(backward=True)
+        grads = _Gradients(prob, chunks)
+        for chunk in chunks:
+            prob.logits(chunk)
+            grads.add(prob, chunk, lattice.lse, posteriors)
+        return (*grads.results(go_max), *[None] * 9)
 
 
 def _logits_dtype(dtype: torch.dtype) -> torch.dtype:
     # bf16 logits (8-bit mantissa) would cost ~0.05 in a logit of 10; fp16 ones ~0.005.
     return torch.float32 if dtype == torch.bfloat16 else dtype
-
-
-def _hidden(f, g, f_lens, target_lens, layout, h, b0, bc, row0, seed, drop_thr, scale, dropout):
-    t_max, hid = f.shape[1], f.shape[2]
-    u1 = g.shape[1]
-    _hidden_kernel[(bc * t_max, triton.cdiv(u1, HIDDEN_U_TILE))](
-        f, g, f_lens, target_lens, layout.offs, h, b0, row0, t_max, u1, hid, seed, drop_thr,
-        scale, BU=HIDDEN_U_TILE, HP=_hp(hid), DROPOUT=dropout, PACKED=layout.packed,
-        num_warps=HIDDEN_WARPS,
-    )  # fmt: skip
 
 
 def _row_launch(launch, v: int, rows: int, device) -> tuple[int, int, int, int]:
@@ -635,15 +778,6 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _logits(h, w_t, out):
-    if out.dtype == h.dtype:
-        torch.mm(h, w_t, out=out)
-    else:
-        # bf16: the fp32 product is a temporary of the chunk's logits size, so a bf16 step
-        # holds about one more logits chunk than CHUNK_BYTES accounts for.
-        out.copy_(_mm_fp32(h, w_t))
-
-
 def fused_joint_loss(
     f: torch.Tensor,
     g: torch.Tensor,
@@ -656,8 +790,10 @@ def fused_joint_loss(
     dropout_p: float = 0.0,
     seed: int | None = None,
     host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
+    reduction: str = "none",
 ) -> torch.Tensor:
-    """Per-utterance RNN-T loss (B,) fp32 of the joint fc(dropout(relu(f + g))), fused.
+    """RNN-T loss of the joint fc(dropout(relu(f + g))), fused: per utterance (B,) fp32 with
+    reduction 'none', else their 'sum' or 'mean' (a scalar).
 
     f (B, T, H), g (B, U+1, H), weight (V, H), bias (V,) in one float dtype (fp32, fp16 or
     bf16); f_lens (B,) in [1, T]; targets (B, U) in [0, V); target_lens (B,) in [0, U].
@@ -669,7 +805,12 @@ def fused_joint_loss(
     input pipeline does). The lattice rows are then packed: only sum_b T_b (U_b + 1) rows are
     computed instead of the padded B T (U+1), and these host lengths are the ones used (copied
     to the device without a sync); they are checked against the shapes.
+
+    'sum' and 'mean' compute the gradients in the forward pass, when any operand needs one
+    (one pass over the lattice instead of two: see `_FusedJointLoss`).
     """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not (f.dtype == g.dtype == weight.dtype == bias.dtype):
         raise TypeError(
             f"fused joint loss needs one dtype for f, g, weight and bias, got {f.dtype}, "
@@ -687,9 +828,15 @@ def fused_joint_loss(
     if host_lens is not None:
         host_lens = _check_host_lens(host_lens, f.shape[0], f.shape[1], g.shape[1] - 1)
         f_lens, target_lens = _to_device([*host_lens[0], *host_lens[1]], f.device).chunk(2)
-    return _FusedJointLoss.apply(
-        f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, float(dropout_p), seed
+    one_pass = (
+        reduction != "none"
+        and torch.is_grad_enabled()
+        and any(x.requires_grad for x in (f, g, weight, bias))
     )
+    return _FusedJointLoss.apply(
+        f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, float(dropout_p), seed,
+        reduction, one_pass,
+    )  # fmt: skip
 
 
 def _check_host_lens(host_lens, bsz: int, t_max: int, u_max: int) -> tuple[list, list]:

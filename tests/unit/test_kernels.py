@@ -57,15 +57,22 @@ def reference(leaves, f_lens, targets, target_lens, keep=None, p=0.0):
     return nll.detach(), grads
 
 
-def fused(leaves, f_lens, targets, target_lens, p=0.0, seed=0, packed=False):
-    """Loss and grads of the fused kernels; `packed` passes the lengths on the host too."""
+def fused(leaves, f_lens, targets, target_lens, p=0.0, seed=0, packed=False, one_pass=False):
+    """Per-utterance loss and grads of the mean, from the fused kernels; `packed` passes the
+    lengths on the host too. `one_pass` asks for the mean itself (gradients formed in the
+    forward pass) and returns the per-utterance losses of a no-grad call with it."""
     vocab = leaves[2].shape[0]
     host = (f_lens.tolist(), target_lens.tolist()) if packed else None
-    nll = jl.fused_joint_loss(
-        *leaves, f_lens, targets, target_lens, vocab - 1, p, seed, host_lens=host
-    )
-    grads = torch.autograd.grad(nll.mean(), leaves)
-    return nll.detach(), grads
+    args = (*leaves, f_lens, targets, target_lens, vocab - 1, p, seed)
+    if not one_pass:
+        nll = jl.fused_joint_loss(*args, host_lens=host)
+        return nll.detach(), torch.autograd.grad(nll.mean(), leaves)
+    mean = jl.fused_joint_loss(*args, host_lens=host, reduction="mean")
+    grads = torch.autograd.grad(mean, leaves)
+    with torch.no_grad():
+        nll = jl.fused_joint_loss(*args, host_lens=host)
+    assert_rel(mean.detach(), nll.mean(), 1e-6, "mean of the one-pass call")
+    return nll, grads
 
 
 def assert_rel(got, want, rel, what):
@@ -93,11 +100,15 @@ CASES = {
 }
 
 
+ONE_PASS = pytest.mark.parametrize("one_pass", [False, True], ids=["two_pass", "one_pass"])
+
+
+@ONE_PASS
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("name", CASES)
-def test_fused_matches_reference_without_dropout(name, packed):
+def test_fused_matches_reference_without_dropout(name, packed, one_pass):
     case = make_case(**CASES[name])
-    assert_matches(fused(*case, packed=packed), reference(*case), rel=1e-4)
+    assert_matches(fused(*case, packed=packed, one_pass=one_pass), reference(*case), rel=1e-4)
 
 
 def _layout(lens, t_max, u1, packed):
@@ -105,8 +116,9 @@ def _layout(lens, t_max, u1, packed):
     return jl._Layout(host, len(lens), t_max, u1, torch.device(DEVICE))
 
 
+@ONE_PASS
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_chunked_lattice_and_split_label_tiles_match_the_reference(monkeypatch, packed):
+def test_chunked_lattice_and_split_label_tiles_match_the_reference(monkeypatch, packed, one_pass):
     lens = [(4, 20), (3, 17), (5, 2)]
     case = make_case(lens=lens, u_max=20, hid=16, vocab=11)
     want = reference(*case)
@@ -119,7 +131,7 @@ def test_chunked_lattice_and_split_label_tiles_match_the_reference(monkeypatch, 
     monkeypatch.setattr(jl, "STATS_LAUNCH", (64, 1, 1))
     monkeypatch.setattr(jl, "DLOGITS_LAUNCH", (64, 2, 1))
     monkeypatch.setattr(jl, "HIDDEN_U_TILE", 4)  # packed: programs past U_b return at once
-    assert_matches(fused(*case, packed=packed), want, rel=1e-4)
+    assert_matches(fused(*case, packed=packed, one_pass=one_pass), want, rel=1e-4)
 
 
 def test_half_precision_padding_garbage_near_the_fp16_limit_stays_out():
@@ -134,29 +146,48 @@ def test_half_precision_padding_garbage_near_the_fp16_limit_stays_out():
     assert_matches(got, reference(*case), rel=1e-2)
 
 
-def test_lattice_posteriors_count_every_path_s_blanks_and_labels():
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_lattice_posteriors_count_every_path_s_blanks_and_labels(packed):
     # Every path through utterance b's lattice takes T_b blanks and U_b labels, so whatever the
     # probabilities the blank posteriors sum to T_b and the label ones to U_b; the kernels'
     # d(logits) rest on these.
-    lens = [(5, 4), (3, 1), (1, 0), (4, 4)]
+    lens = [(5, 4), (3, 1), (1, 0), (4, 4), (5, 0)]
+    bsz = len(lens)
     gen = torch.Generator().manual_seed(3)
-    logits = torch.zeros(4, 5, 5, 2)  # class 0: the label, 1: blank
-    logits[..., 1] = 3 * torch.randn(4, 5, 5, generator=gen)
-    lp = logits.log_softmax(-1)
+    logits = torch.zeros(bsz, 5, 5, 2)  # class 0: the label, 1: blank
+    logits[..., 1] = 3 * torch.randn(bsz, 5, 5, generator=gen)
+    lp = logits.log_softmax(-1).to(DEVICE)
     f_lens = torch.tensor([t for t, _ in lens], dtype=torch.int32)
     target_lens = torch.tensor([u for _, u in lens], dtype=torch.int32)
-    args = [x.contiguous().to(DEVICE) for x in (lp[..., 1], lp[..., 0], f_lens, target_lens)]
-    log_lik, (occ, w_blank, w_label) = jl._lattice(*args)
+    host = ([t for t, _ in lens], [u for _, u in lens]) if packed else None
+    unused = torch.zeros(bsz, 5, 1, device=DEVICE)  # the joint's operands play no part here
+    prob = jl._Problem(unused, unused, unused[0, :2], unused[0, :2, 0], f_lens, torch.zeros(
+        bsz, 4, dtype=torch.long, device=DEVICE), target_lens, host, 1, 0.0, 0)  # fmt: skip
+    lattice = jl._Lattice(prob)
+    lattice.lp_blank.copy_(prob.layout.rows(lp[..., 1]))
+    lattice.lp_label.copy_(prob.layout.rows(lp[..., 0]))
+    # two calls, as the one-pass schedule makes one per chunk of utterances
+    for b0, bc in ((0, 2), (2, bsz - 2)):
+        lattice.solve(b0, bc)
+    weights = torch.tensor([1.0, 0.5, -2.0, 0.0, 3.0], device=DEVICE)
+    occ, w_blank, w_label = (x.clone() for x in lattice.posteriors(0, bsz))
+    weighted = lattice.posteriors(0, bsz, weights)
     ref = rnnt_loss_reference(
-        logits, torch.zeros(4, 4, dtype=torch.long), f_lens.long(), target_lens.long(), blank=1
+        logits, torch.zeros(bsz, 4, dtype=torch.long), f_lens.long(), target_lens.long(), blank=1
     )
-    assert torch.allclose(-log_lik.cpu(), ref, rtol=1e-5)
+    assert torch.allclose(-lattice.log_lik.cpu(), ref, rtol=1e-5)
+    starts = prob.layout.starts
     for b, (t_len, u_len) in enumerate(lens):
-        assert w_blank[b].sum().item() == pytest.approx(t_len, rel=1e-5)
-        assert w_label[b].sum().item() == pytest.approx(u_len, rel=1e-5)
-        inside = torch.zeros(5, 5, dtype=torch.bool, device=DEVICE)
-        inside[:t_len, : u_len + 1] = True
-        assert (occ[b][~inside] == 0).all() and (occ[b] <= 1 + 1e-6).all()
+        rows = slice(starts[b], starts[b + 1])
+        assert w_blank[rows].sum().item() == pytest.approx(t_len, rel=1e-5)
+        assert w_label[rows].sum().item() == pytest.approx(u_len, rel=1e-5)
+        assert (occ[rows] <= 1 + 1e-6).all()
+        if not packed:  # the box's rows outside the lattice are 0
+            inside = torch.zeros(5, 5, dtype=torch.bool, device=DEVICE)
+            inside[:t_len, : u_len + 1] = True
+            assert (occ[rows].view(5, 5)[~inside] == 0).all()
+        for got, want in zip(weighted, (occ, w_blank, w_label), strict=True):
+            assert torch.allclose(got[rows], want[rows] * weights[b])
     assert torch.equal(occ, w_blank + w_label)
 
 
@@ -172,10 +203,6 @@ def test_packed_layout_holds_only_lattice_rows_and_groups_whole_utterances():
     lattice = torch.arange(4 * 5 * 21, dtype=torch.float32, device=DEVICE).view(4, 5, 21)
     rows = layout.rows(lattice)
     assert rows.tolist() == [float(c) for c in want_cells]
-    back = layout.lattice(rows, fill=-1.0)
-    inside = back >= 0
-    assert inside.sum().item() == 154 and torch.equal(back[inside], lattice[inside])
-    assert (back[~inside] == -1).all()
     assert layout.chunks(100) == [(0, 1), (1, 3)]  # 54 + 15 + 1 rows fit in 100
     assert layout.chunks(10) == [(0, 1), (1, 1), (2, 1), (3, 1)]  # oversize: one per chunk
     padded = _layout(lens, 5, 21, packed=False)
@@ -220,13 +247,29 @@ def test_per_utterance_output_gradients_are_honoured():
         assert_rel(a, b, 1e-4, f"grad {name}")
 
 
-def test_fused_matches_reference_with_the_same_dropout_mask():
+def test_one_pass_sum_scales_its_gradients_by_the_output_gradient():
+    # The one-pass schedule forms the gradients before the output gradient exists and scales
+    # them in backward: 'sum' times 2.5 must give 2.5 times the reference sum's gradients.
+    leaves, f_lens, targets, target_lens = make_case(**CASES["ragged"])
+    total = jl.fused_joint_loss(*leaves, f_lens, targets, target_lens, 36, reduction="sum")
+    assert total.dim() == 0
+    got = torch.autograd.grad(total * 2.5, leaves)
+    ref_nll, ref_grads = reference(leaves, f_lens, targets, target_lens)
+    assert_rel(total.detach(), ref_nll.sum(), 1e-5, "sum")
+    for name, a, b in zip(("f", "g", "W", "bias"), got, ref_grads, strict=True):
+        assert_rel(a, b * 2.5 * len(ref_nll), 1e-4, f"grad {name}")  # ref_grads: of the mean
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        jl.fused_joint_loss(*leaves, f_lens, targets, target_lens, 36, reduction="avg")
+
+
+@ONE_PASS
+def test_fused_matches_reference_with_the_same_dropout_mask(one_pass):
     p, seed = 0.3, 1234
     leaves, f_lens, targets, target_lens = case = make_case(**CASES["ragged"])
     bsz, t_max, hid = leaves[0].shape
     keep = jl.dropout_keep_mask(seed, bsz, t_max, leaves[1].shape[1], hid, p, DEVICE)
     assert 0.5 < keep.float().mean().item() < 0.9  # about 1 - p of the units survive
-    got = fused(*case, p=p, seed=seed)
+    got = fused(*case, p=p, seed=seed, one_pass=one_pass)
     assert_matches(got, reference(*case, keep=keep, p=p), rel=1e-4)
     # the mask is really used: without it the loss differs
     assert (got[0] - reference(*case)[0]).abs().max() > 1e-3
@@ -303,23 +346,26 @@ def random_lens(bsz, t_max, u_max, seed):
 
 
 @pytest.mark.gpu
+@ONE_PASS
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("bsz", [1, 7, 64])
-def test_gpu_fp32_matches_reference_on_ragged_batches(bsz, packed):
+def test_gpu_fp32_matches_reference_on_ragged_batches(bsz, packed, one_pass):
     case = make_case(random_lens(bsz, 40, 12, bsz), 12, 512, 1024, seed=bsz)
-    assert_matches(fused(*case, packed=packed), reference(*case), rel=1e-4)
+    assert_matches(fused(*case, packed=packed, one_pass=one_pass), reference(*case), rel=1e-4)
 
 
 @pytest.mark.gpu
+@ONE_PASS
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_half_precision_within_1e2_of_fp32(dtype):
+def test_gpu_half_precision_within_1e2_of_fp32(dtype, one_pass):
     # fp32 run on the same (rounded) values: rounding the inputs differently would flip ReLUs
     # of pre-activations near 0 and compare two different functions.
     leaves, *rest = make_case(random_lens(16, 60, 20, 1), 20, 512, 1024, dtype=dtype)
     leaves32 = [x.detach().float().requires_grad_(True) for x in leaves]
-    got = fused(leaves, *rest)
-    assert_matches(got, fused(leaves32, *rest), rel=1e-2 if dtype == torch.float16 else 3e-2)
-    assert_matches(got, reference(leaves, *rest), rel=1e-2 if dtype == torch.float16 else 3e-2)
+    got = fused(leaves, *rest, one_pass=one_pass)
+    rel = 1e-2 if dtype == torch.float16 else 3e-2
+    assert_matches(got, fused(leaves32, *rest), rel=rel)
+    assert_matches(got, reference(leaves, *rest), rel=rel)
 
 
 @pytest.mark.gpu
@@ -337,7 +383,7 @@ def test_gpu_longest_mlperf_shape_and_batch_512():
     for bsz, t_max, u_max in ((192, 279, 125), (512, 60, 20)):
         lens = [(t_max, u_max)] * bsz
         leaves, *rest = make_case(lens, u_max, 512, 1024, dtype=torch.float16, seed=bsz)
-        nll, grads = fused(leaves, *rest)
+        nll, grads = fused(leaves, *rest, one_pass=True)
         assert torch.isfinite(nll).all() and all(torch.isfinite(x).all() for x in grads)
         # every utterance is the same shape but different data: per-utterance losses differ
         assert nll.std() > 0
@@ -345,7 +391,7 @@ def test_gpu_longest_mlperf_shape_and_batch_512():
         one = [x.detach()[:1].clone().requires_grad_(True) for x in leaves[:2]] + [
             x.detach().clone().requires_grad_(True) for x in leaves[2:]
         ]
-        nll1, grads1 = fused(one, *(x[:1] for x in rest))
+        nll1, grads1 = fused(one, *(x[:1] for x in rest), one_pass=True)
         assert_rel(nll1, nll[:1], 2e-3, "loss of utterance 0")
         assert_rel(grads1[0][0] / bsz, grads[0][0], 2e-2, "grad f of utterance 0")
 
@@ -353,9 +399,18 @@ def test_gpu_longest_mlperf_shape_and_batch_512():
 @pytest.mark.gpu
 def test_gpu_memory_at_192_204_44_fp16_and_time_target(record_property):
     bsz, t_max, u_max = 192, 204, 44
-    leaves, *rest = make_case([(t_max, u_max)] * bsz, u_max, 512, 1024, dtype=torch.float16)
+    leaves, f_lens, targets, target_lens = make_case(
+        [(t_max, u_max)] * bsz, u_max, 512, 1024, dtype=torch.float16
+    )
+
+    def step():  # as the trainer calls it: the mean, dropout 0.3, gradients in one pass
+        loss = jl.fused_joint_loss(
+            *leaves, f_lens, targets, target_lens, 1023, 0.3, reduction="mean"
+        )
+        torch.autograd.grad(loss, leaves)
+
     for _ in range(2):
-        fused(leaves, *rest)
+        step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -363,7 +418,7 @@ def test_gpu_memory_at_192_204_44_fp16_and_time_target(record_property):
     times = []
     for _ in range(5):
         start.record()
-        fused(leaves, *rest)
+        step()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
