@@ -15,7 +15,9 @@ run. Times are medians over `--repeats` of CUDA-event timings of loss + backward
 W, bias get gradients); memory is the peak allocated during those steps minus what was allocated
 before (inputs, weights). The joint is in training mode (dropout 0.3) for every backend.
 `fused` computes the padded (B, T_max, U_max + 1) box; `fused-packed` is the same backend given
-the lengths on the host (as the trainer does), so it computes only the lattice cells.
+the lengths on the host (as the trainer does), so it computes only the lattice cells. `apex`
+(NVIDIA's transducer joint + loss, packed; needs apex built with its transducer extensions) is
+given the host lengths too.
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ def run_one(
     # it computes only the sum_b T_b (U_b + 1) lattice rows; plain fused computes the box.
     packed = backend == "fused-packed"
     loss_fn = TransducerLoss("fused" if packed else backend, cfg.blank_idx)
-    host_lens = ([t for t, _ in lens], [u for _, u in lens]) if packed else None
+    # apex packs either way; host lengths spare it the host sync that sizes its packing
+    host = packed or backend == "apex"
+    host_lens = ([t for t, _ in lens], [u for _, u in lens]) if host else None
 
     def step():
         loss = loss_fn(joint, f, g, f_lens, targets, target_lens, host_lens=host_lens)

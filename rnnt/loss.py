@@ -19,6 +19,7 @@ logits. Backends:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -153,8 +154,8 @@ class TransducerLoss:
 
     `host_lens=(f_lens, target_lens)` as host integers, when the caller has them: the fused
     backend then computes only the sum_b T_b (U_b + 1) lattice rows instead of the padded
-    B T (U+1) box. The other backends ignore them (apex still sizes its packing with a sync:
-    it has never been run here, so its path is left as it was).
+    B T (U+1) box, and apex sizes its packed joint from them instead of reading the device
+    lengths (a host sync). reference and torchaudio ignore them.
     """
 
     def __init__(self, backend: str, blank_idx: int) -> None:
@@ -248,14 +249,20 @@ class TransducerLoss:
         p = dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0
         f_lens = f_lens.int()
         g_lens = target_lens.int() + 1
-        batch_offset = torch.cumsum(f_lens * g_lens, dim=0)
+        if host_lens is None:
+            batch_offset = torch.cumsum(f_lens * g_lens, dim=0)
+            packed_rows = int(batch_offset[-1])  # packing sizes its output on the host: a sync
+        else:
+            ends = list(itertools.accumulate(t * (u + 1) for t, u in zip(*host_lens, strict=True)))
+            host = torch.tensor(ends, dtype=torch.int64).pin_memory()
+            batch_offset = host.to(f.device, non_blocking=True)
+            packed_rows = ends[-1]
         apex_joint = self._apex_joint_cls(
             pack_output=True, relu=True, dropout=p > 0, dropout_prob=p, opt=1
         )
         apex_joint.train(joint.training)
-        # Packing sizes the output on the host: the one sync of this backend.
         h = apex_joint(
-            f, g, f_lens, g_lens, batch_offset=batch_offset, packed_batch=int(batch_offset[-1])
+            f, g, f_lens, g_lens, batch_offset=batch_offset, packed_batch=packed_rows
         )  # (sum_b T_b (U_b+1), H)
         logits = joint.fc(h)
         nll = self._apex_loss(

@@ -204,12 +204,16 @@ def test_two_processes_under_torchrun_share_one_log_and_one_eval(corpus, tmp_pat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loss_backend", ["reference", "fused"])
+@pytest.mark.parametrize("loss_backend", ["reference", "fused", "apex"])
 def test_training_step_never_syncs_with_the_host(tmp_path, shared_data, loss_backend):
     """Trainer.train_step on the GPU (fp16, GradScaler, LAMB, EMA, skip counters) under
     sync-debug "error": any host-device synchronization inside the step raises. The fused
-    loss gets the batch's host lengths (packed lattice) and must not read the device."""
+    and apex losses get the batch's host lengths (packed lattice) and must not read the
+    device."""
     from rnnt.distributed import init_distributed
+
+    if loss_backend == "apex":
+        pytest.importorskip("apex.contrib.transducer")
 
     cfg = load_config(
         Path(__file__).parents[2] / "configs/tiny.yaml",

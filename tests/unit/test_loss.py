@@ -183,8 +183,12 @@ def test_missing_optional_backend_names_the_config_key():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_torchaudio_backend_matches_reference(dtype):
-    pytest.importorskip("torchaudio")
+@pytest.mark.parametrize(
+    "backend, host", [("torchaudio", False), ("apex", False), ("apex", True)],
+    ids=["torchaudio", "apex", "apex-host-lengths"],
+)  # fmt: skip
+def test_optional_backend_matches_reference(backend, host, dtype):
+    pytest.importorskip("torchaudio" if backend == "torchaudio" else "apex.contrib.transducer")
     gen = torch.Generator().manual_seed(5)
     b, t, u, hid, vocab = 6, 30, 12, 32, 50
     joint = Joint(ModelConfig(joint_n_hid=hid, n_classes=vocab, joint_dropout=0.0))
@@ -202,9 +206,12 @@ def test_torchaudio_backend_matches_reference(dtype):
     targets = torch.randint(0, vocab - 1, (b, u), generator=gen).cuda()
     ref = TransducerLoss("reference", vocab - 1)(ref_joint, f32, g32, f_lens, targets, target_lens)
     ref_grads = torch.autograd.grad(ref, (f32, g32, ref_joint.fc.weight))
-    ta = TransducerLoss("torchaudio", vocab - 1)(joint, f, g, f_lens, targets, target_lens)
-    ta_grads = torch.autograd.grad(ta, (f, g, joint.fc.weight))
+    host_lens = (f_lens.tolist(), target_lens.tolist()) if host else None
+    got = TransducerLoss(backend, vocab - 1)(
+        joint, f, g, f_lens, targets, target_lens, host_lens=host_lens
+    )
+    got_grads = torch.autograd.grad(got, (f, g, joint.fc.weight))
     tol = 1e-4 if dtype == torch.float32 else 1e-2
-    assert ta.item() == pytest.approx(ref.item(), rel=tol)
-    for a, r in zip(ta_grads, ref_grads, strict=True):
+    assert got.item() == pytest.approx(ref.item(), rel=tol)
+    for a, r in zip(got_grads, ref_grads, strict=True):
         assert (a.float() - r).abs().max() <= tol * r.abs().max()
