@@ -684,6 +684,10 @@ class _Gradients:
         # chunks hold whole utterances: each row of dg is written once
         torch.sum(self.dg_part[:, :bc], 0, out=self.dg[b0 : b0 + bc])
 
+    def drop_scratch(self) -> None:
+        """Free the per-chunk partial sums once every chunk is in (what `results` reads stays)."""
+        self.dbias_part = self.dg_part = None
+
     def results(self, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(df, dg, dW, d bias) times `scale` (a device scalar) in the operands' dtypes, with
         the dropout gate's 1 / (1 - p) applied to df and dg."""
@@ -723,6 +727,8 @@ class _FusedJointLoss(torch.autograd.Function):
                 lattice.solve(b0, bc)
                 grads.add(prob, chunk, lattice.lse, lattice.posteriors(b0, bc))
         del chunks
+        if one_pass:
+            grads.drop_scratch()
         if not one_pass:
             lattice.solve(0, prob.bsz)
         nll = -lattice.log_lik
@@ -730,9 +736,10 @@ class _FusedJointLoss(torch.autograd.Function):
         if one_pass:
             ctx.grads = grads
         else:
-            ctx.prob, ctx.lattice = prob, lattice
             # the operands go through save_for_backward (in-place changes are then caught)
             ctx.save_for_backward(prob.f, prob.g, prob.weight, prob.bias)
+            prob.f = prob.g = prob.weight = prob.bias = None
+            ctx.prob, ctx.lattice = prob, lattice
         if reduction == "sum":
             return nll.sum()
         return nll.mean() if reduction == "mean" else nll
