@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything this project checks and times on a GPU machine, in phases that each fit one
 # device call (the PyTorch + CUDA image has no DALI, librosa or mlperf-logging: wheels for the
-# missing pure-Python packages are carried in $WHEELS). Results go to $OUT (default results/gpu).
+# missing packages are carried in $WHEELS, made by bench/gpu_wheels.sh). Results go to $OUT
+# (default results/gpu).
 #
 #   bash bench/gpu_session.sh tests       # every @pytest.mark.gpu test
 #   bash bench/gpu_session.sh loss        # bench/joint_loss.py (issue: fused joint + loss)
