@@ -47,7 +47,10 @@ designs measured slower still:
     H- or V-slice: 74 ms without dropout, 97 ms with it;
   - Triton GEMMs with the log-sum-exp / d(logits) work in their epilogues (no logits written
     at all, two-pass): 21.4 ms at the best of nine tile shapes, because Triton's GEMM at
-    K = 512 runs well below cuBLAS and the epilogue's exponentials do not overlap the MMAs.
+    K = 512 runs well below cuBLAS and the epilogue's exponentials do not overlap the MMAs;
+  - d(logits) formed in the A-operand loads of a Triton dh = d(logits) W GEMM (written back in
+    place, one program per 64 rows and all of H): 1.28 ms per 262k-row chunk at the best of
+    24 tiles, against 0.71 ms for `_dlogits_kernel` + cuBLAS.
 Row layouts: without host lengths the rows are the padded (B, T_max, U_max + 1) box (rows past
 T_b or U_b are zeros, computed anyway). With `host_lens` (the input pipeline knows the lengths on
 the host, so no sync) they are packed: only sum_b T_b (U_b + 1) rows (2.57M lattice cells of a
