@@ -20,11 +20,12 @@ logits. Backends:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from rnnt.config import ConfigError
+from rnnt.host_lengths import HostLens, check_host_lens, to_device
 
 BACKENDS = ("reference", "torchaudio", "fused", "apex")
 
@@ -134,8 +135,6 @@ def rnnt_loss_reference(
 
 
 LossFn = Callable[..., torch.Tensor]
-# (frame lengths, label lengths) of a batch as host integers (no device read needed).
-HostLens = tuple[Sequence[int], Sequence[int]]
 
 
 def _import_error(backend: str, what: str, err: Exception) -> ConfigError:
@@ -253,9 +252,9 @@ class TransducerLoss:
             batch_offset = torch.cumsum(f_lens * g_lens, dim=0)
             packed_rows = int(batch_offset[-1])  # packing sizes its output on the host: a sync
         else:
-            ends = list(itertools.accumulate(t * (u + 1) for t, u in zip(*host_lens, strict=True)))
-            host = torch.tensor(ends, dtype=torch.int64).pin_memory()
-            batch_offset = host.to(f.device, non_blocking=True)
+            t_lens, u_lens = check_host_lens(host_lens, f.shape[0], f.shape[1], g.shape[1] - 1)
+            ends = list(itertools.accumulate(t * (u + 1) for t, u in zip(t_lens, u_lens)))
+            batch_offset = to_device(ends, f.device, torch.int64)
             packed_rows = ends[-1]
         apex_joint = self._apex_joint_cls(
             pack_output=True, relu=True, dropout=p > 0, dropout_prob=p, opt=1

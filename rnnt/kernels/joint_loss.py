@@ -65,12 +65,13 @@ Runs on CUDA tensors, and on CPU tensors under the Triton interpreter (TRITON_IN
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from rnnt.host_lengths import HostLens, check_host_lens, to_device
 
 _NEG = -1e30  # log(0) stand-in, as in rnnt.loss
 _KNEG = tl.constexpr(_NEG)  # the same, readable inside kernels
@@ -476,7 +477,7 @@ class _Layout:
         if self.packed:
             bsz1 = len(self.starts)
             host = self.starts + [u + 1 for u in host_lens[1]]
-            self.offs, u1s = _to_device(host, dev, torch.int64).split([bsz1, bsz1 - 1])
+            self.offs, u1s = to_device(host, dev, torch.int64).split([bsz1, bsz1 - 1])
             n_rows = self.starts[-1]
             row_b = torch.repeat_interleave(
                 torch.arange(bsz, device=dev), self.offs.diff(), output_size=n_rows
@@ -799,7 +800,7 @@ def fused_joint_loss(
     blank: int,
     dropout_p: float = 0.0,
     seed: int | None = None,
-    host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
+    host_lens: HostLens | None = None,
     reduction: str = "none",
 ) -> torch.Tensor:
     """RNN-T loss of the joint fc(dropout(relu(f + g))), fused: per utterance (B,) fp32 with
@@ -836,8 +837,8 @@ def fused_joint_loss(
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
     if host_lens is not None:
-        host_lens = _check_host_lens(host_lens, f.shape[0], f.shape[1], g.shape[1] - 1)
-        f_lens, target_lens = _to_device([*host_lens[0], *host_lens[1]], f.device).chunk(2)
+        host_lens = check_host_lens(host_lens, f.shape[0], f.shape[1], g.shape[1] - 1)
+        f_lens, target_lens = to_device([*host_lens[0], *host_lens[1]], f.device).chunk(2)
     one_pass = (
         reduction != "none"
         and torch.is_grad_enabled()
@@ -847,29 +848,3 @@ def fused_joint_loss(
         f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, float(dropout_p), seed,
         reduction, one_pass,
     )  # fmt: skip
-
-
-def _check_host_lens(host_lens, bsz: int, t_max: int, u_max: int) -> tuple[list, list]:
-    t_lens, u_lens = ([int(x) for x in lens] for lens in host_lens)
-    if len(t_lens) != bsz or len(u_lens) != bsz:
-        raise ValueError(
-            f"host_lens: expected {bsz} frame and {bsz} label lengths, got {len(t_lens)} and "
-            f"{len(u_lens)}"
-        )
-    for b, (t, u) in enumerate(zip(t_lens, u_lens, strict=True)):
-        if not (1 <= t <= t_max and 0 <= u <= u_max):
-            raise ValueError(
-                f"host_lens: utterance {b} has (T, U) = ({t}, {u}); the inputs allow T in "
-                f"[1, {t_max}] and U in [0, {u_max}]"
-            )
-    return t_lens, u_lens
-
-
-def _to_device(
-    values: list[int], device: torch.device, dtype: torch.dtype = torch.int32
-) -> torch.Tensor:
-    # One pinned buffer (so the copy does not block the host) per call: callers put all their
-    # small host arrays in one list, as each pinning costs ~0.1-0.5 ms of host time.
-    host = torch.empty(len(values), dtype=dtype, pin_memory=device.type == "cuda")
-    host.numpy()[:] = values
-    return host.to(device, non_blocking=True)

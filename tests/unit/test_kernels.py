@@ -247,6 +247,15 @@ def test_per_utterance_output_gradients_are_honoured():
         assert_rel(a, b, 1e-4, f"grad {name}")
 
 
+def test_host_lengths_that_do_not_fit_the_inputs_are_rejected():
+    leaves, f_lens, targets, target_lens = make_case(**CASES["ragged"])
+    bsz, t_max, _ = leaves[0].shape
+    t_lens, u_lens = f_lens.tolist(), target_lens.tolist()
+    t_lens[1] = t_max + 1
+    with pytest.raises(ValueError, match=rf"host_lens: utterance 1 has \(T, U\) = \({t_max + 1},"):
+        jl.fused_joint_loss(*leaves, f_lens, targets, target_lens, 36, host_lens=(t_lens, u_lens))
+
+
 def test_one_pass_sum_scales_its_gradients_by_the_output_gradient():
     # The one-pass schedule forms the gradients before the output gradient exists and scales
     # them in backward: 'sum' times 2.5 must give 2.5 times the reference sum's gradients.
