@@ -27,19 +27,9 @@ Decisions (documented contract):
 * With the model in eval mode or with autograd disabled the eager modules run: the graphs hold
   the training-mode forward (dropout on) and a backward.
 
-Measured and not kept (one H200, batch 192 at average LibriSpeech lengths, `--num_cg 4`, where
-everything outside joint + loss takes 54.1 ms, mostly cuDNN's per-time-step LSTM kernels):
-  - the prediction graph replayed on a side stream beside the encoder's (its backward then
-    overlaps too): 53.7 ms, for 1.5 GiB more peak memory;
-  - one nn.LSTM per layer (`model.decoupled_rnns`): 61.9 ms; 16 buckets instead of 4 (padding
-    419 frames to 449 instead of 490): 50.9 ms, twice the graph memory;
-  - a Triton LSTM with one fused kernel per time step (recurrent GEMM + cell): 12.0 us per
-    forward step at hidden 1024 (best of 10 tiles; backward not timed), no faster than cuDNN,
-    bound by re-reading W_hh (8 MB) from L2 every step;
-  - cuDNN's persistent algorithm (CUDNN_RNN_ALGO_PERSIST_STATIC, through the cuDNN API): nn.LSTM
-    already runs it at batch <= 64 (bitwise-equal outputs, equal times); at 192 it is 2x slower.
-A faster recurrence needs a persistent kernel that keeps W_hh on chip and shares h_t across
-thread-block clusters (CUDA C++), which is not written.
+Speed: at batch 192 the time outside joint + loss is almost all cuDNN's per-time-step LSTM
+kernels; docs/PERFORMANCE.md gives the breakdown and the alternatives measured and not kept
+(side-stream prediction graph, more buckets, stream-split batches, Triton and CUDA C++ LSTMs).
 
 Memory: the encoder buckets share one graph memory pool and the prediction buckets another.
 Buckets of one network never run interleaved (one encoder bucket per step, forward then

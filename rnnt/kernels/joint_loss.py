@@ -33,24 +33,10 @@ on another, and all lattice values are addressed by row (no (B, T, U+1) copies).
 Measured on one H200 (fp16, dropout 0.3, torch 2.11, Triton 3.6), forward + backward of the
 mean, same run: (B, T, U) = (192, 204, 44) 14.4 ms and 1.16 GiB extra (the two-pass schedule:
 17.3 ms, 1.27 GiB; torchaudio's padded joint + loss: 67 ms, 11 GiB); a LibriSpeech-shaped ragged
-batch of 192, packed, 24.3 ms (27.0 two-pass). Where the 13.6 ms of kernel time at
-(192, 204, 44) goes: the three GEMMs 6.9 ms (~800 TFLOP/s), d(logits) 2.2 ms, df/dg 1.5 ms,
-stats 1.1 ms, h 0.8 ms, lattice 0.7 ms (seven chunks, ~0.1 ms each: latency of ~250 dependent
-diagonals), the rest 0.4 ms; the memory-bound kernels run near 3 TB/s. Measured and not kept:
-df / dg reading the relu / dropout gate as bits instead of h (slower: the bit loads are as
-many sector reads as h's, plus the unpacking), its reduction on a side stream beside the next
-chunk (0.2 ms for a second h buffer), lattice loads two diagonals ahead (slower). Two fused
-designs measured slower still:
-  - one Triton kernel with the logits only in registers (an earlier version of this file):
-    the backward needs dW, a reduction over all rows, and dh, a reduction over all V, from the
-    same d(logits) tile, so holding either accumulator on chip recomputes the logits GEMM per
-    H- or V-slice: 74 ms without dropout, 97 ms with it;
-  - Triton GEMMs with the log-sum-exp / d(logits) work in their epilogues (no logits written
-    at all, two-pass): 21.4 ms at the best of nine tile shapes, because Triton's GEMM at
-    K = 512 runs well below cuBLAS and the epilogue's exponentials do not overlap the MMAs;
-  - d(logits) formed in the A-operand loads of a Triton dh = d(logits) W GEMM (written back in
-    place, one program per 64 rows and all of H): 1.28 ms per 262k-row chunk at the best of
-    24 tiles, against 0.71 ms for `_dlogits_kernel` + cuBLAS.
+batch of 192, packed, 24.3 ms (27.0 two-pass). Where the kernel time goes, and the fused designs
+measured slower (logits held in registers, GEMMs with the softmax in their epilogues, d(logits)
+in a GEMM prologue, L2-sized sub-chunks), are in docs/PERFORMANCE.md.
+
 Row layouts: without host lengths the rows are the padded (B, T_max, U_max + 1) box (rows past
 T_b or U_b are zeros, computed anyway). With `host_lens` (the input pipeline knows the lengths on
 the host, so no sync) they are packed: only sum_b T_b (U_b + 1) rows (2.57M lattice cells of a
