@@ -31,9 +31,9 @@ four GEMMs. All row-wise kernels read and write per-row vectors, so none of thei
 on another, and all lattice values are addressed by row (no (B, T, U+1) copies).
 
 Measured on one H200 (fp16, dropout 0.3, torch 2.11, Triton 3.6), forward + backward of the
-mean, same run: (B, T, U) = (192, 204, 44) 14.4 ms and 1.16 GiB extra (the two-pass schedule:
-17.3 ms, 1.27 GiB; torchaudio's padded joint + loss: 67 ms, 11 GiB); a LibriSpeech-shaped ragged
-batch of 192, packed, 24.3 ms (27.0 two-pass). Where the kernel time goes, and the fused designs
+mean: (B, T, U) = (192, 204, 44) 13.9-14.5 ms over three runs and 1.17 GiB extra (the two-pass
+schedule: 17.3 ms, 1.27 GiB; torchaudio's padded joint + loss: 67-68 ms, 11 GiB); a
+LibriSpeech-shaped ragged batch of 192, packed, 23.8-24.7 ms (27.0 two-pass). Where the kernel time goes, and the fused designs
 measured slower (logits held in registers, GEMMs with the softmax in their epilogues, d(logits)
 in a GEMM prologue, L2-sized sub-chunks), are in docs/PERFORMANCE.md.
 
@@ -61,6 +61,8 @@ from rnnt.host_lengths import HostLens, check_host_lens, to_device
 
 _NEG = -1e30  # log(0) stand-in, as in rnnt.loss
 _KNEG = tl.constexpr(_NEG)  # the same, readable inside kernels
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
 
 # Bytes of h, logits and dh per chunk of utterances. 1 GiB keeps the extra memory of a step at
 # (192, 204, 44) fp16 near 1.2 GiB while each GEMM is still ~250k rows (full tensor-core speed;
@@ -70,13 +72,13 @@ CHUNK_BYTES = 1 << 30
 # a ragged LibriSpeech batch of 192; these are the fastest on both).
 # The row-wise kernels take blocks of whole rows (classes padded to BN >= V): (elements per
 # block, warps, persistent programs per SM).
-STATS_LAUNCH = (1024, 1, 64)  # `_logit_stats_kernel`: one row per warp
-DLOGITS_LAUNCH = (2048, 8, 8)  # `_dlogits_kernel`
+STATS_LAUNCH = (1024, 1, 48)  # `_logit_stats_kernel`: one row per warp
+DLOGITS_LAUNCH = (1024, 4, 8)  # `_dlogits_kernel`
 HIDDEN_U_TILE = 16  # label states per program of `_hidden_kernel` (one frame, all of H)
 HIDDEN_WARPS = 4
 LATTICE_WARPS = 1  # `_lattice_kernel`: the diagonal's lane shifts stay inside one warp
 FG_H_TILE = 32  # hidden units per program of the df / dg reduction
-FG_PROGRAMS_PER_SM = 16  # frame splits are added until the reduction has this many programs
+FG_PROGRAMS_PER_SM = 32  # frame splits are added until the reduction has this many programs
 MAX_FG_U_TILE = 128  # label states per program there; more than this and df uses atomics
 
 
@@ -295,31 +297,38 @@ def _hidden_kernel(
 @triton.jit(do_not_specialize=["row0", "n_rows"])
 def _logit_stats_kernel(
     logits_ptr, bias_ptr, label_ptr, lse_ptr, lpb_ptr, lpl_ptr, row0, n_rows, V, blank,
-    BR: tl.constexpr, BN: tl.constexpr,
+    BR: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     """Per chunk row r, written at batch row row0 + r: the log-sum-exp over the classes and the
     log-probabilities of blank and of the target label (bias added in fp32).
 
     Persistent: program p takes blocks p, p + P, ... of BR whole rows (BN >= V), so each logit
     is read once with no online rescale; the blank and target logits are two gathers. Every
-    load depends only on the row number, so none waits for another.
+    load depends only on the row number, so none waits for another. The sum runs in base 2 with
+    the bias folded into one multiply-add per logit (EVEN: V == BN, no class masks): the kernel
+    is bound by instruction issue as much as by memory.
     """
     cols = tl.arange(0, BN)
     c_ok = cols < V
-    bias = tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+    bias2 = tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32) * _LOG2E
     bias_blank = tl.load(bias_ptr + blank).to(tl.float32)
     for blk in range(tl.program_id(0), tl.cdiv(n_rows, BR), tl.num_programs(0)):
         r = (blk * BR + tl.arange(0, BR)).to(tl.int64)
         ok = r < n_rows
         label = tl.load(label_ptr + row0 + r, mask=ok, other=0)
-        s = tl.load(logits_ptr + r[:, None] * V + cols[None, :],
-                    mask=ok[:, None] & c_ok[None, :], other=0.0)  # fmt: skip
+        if EVEN:
+            s = tl.load(logits_ptr + r[:, None] * V + cols[None, :], mask=ok[:, None], other=0.0)
+        else:
+            s = tl.load(logits_ptr + r[:, None] * V + cols[None, :],
+                        mask=ok[:, None] & c_ok[None, :], other=0.0)  # fmt: skip
         s_blank = tl.load(logits_ptr + r * V + blank, mask=ok, other=0.0).to(tl.float32)
         s_label = tl.load(logits_ptr + r * V + label, mask=ok, other=0.0).to(tl.float32)
         s_label += tl.load(bias_ptr + label, mask=ok, other=0.0).to(tl.float32)
-        s = tl.where(c_ok[None, :], s.to(tl.float32) + bias[None, :], _KNEG)
-        top = tl.max(s, axis=1)
-        lse = top + tl.log(tl.sum(tl.exp(s - top[:, None]), axis=1))
+        s2 = s.to(tl.float32) * _LOG2E + bias2[None, :]  # (logit + bias) * log2(e)
+        if not EVEN:
+            s2 = tl.where(c_ok[None, :], s2, _KNEG)
+        top = tl.max(s2, axis=1)
+        lse = (top + tl.log2(tl.sum(tl.exp2(s2 - top[:, None]), axis=1))) * _LN2
         tl.store(lse_ptr + row0 + r, lse, mask=ok)
         tl.store(lpb_ptr + row0 + r, s_blank + bias_blank - lse, mask=ok)
         tl.store(lpl_ptr + row0 + r, s_label - lse, mask=ok)
@@ -328,7 +337,7 @@ def _logit_stats_kernel(
 @triton.jit(do_not_specialize=["row0", "n_rows"])
 def _dlogits_kernel(
     logits_ptr, dl_ptr, bias_ptr, label_ptr, lse_ptr, occ_ptr, wb_ptr, wl_ptr, dbias_ptr, row0,
-    n_rows, V, blank, BR: tl.constexpr, BN: tl.constexpr,
+    n_rows, V, blank, BR: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     """d loss / d logits of chunk row r (batch row row0 + r) = occ softmax - [blank] w_blank -
     [label] w_label, from per-row occupancy and transition weights that already carry the
@@ -341,25 +350,28 @@ def _dlogits_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BN)
     c_ok = cols < V
-    bias = tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+    bias2 = tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32) * _LOG2E
     col_sum = tl.zeros((BR, BN), tl.float32)  # reduced over rows once, at the end
     for blk in range(pid, tl.cdiv(n_rows, BR), tl.num_programs(0)):
         r = (blk * BR + tl.arange(0, BR)).to(tl.int64)
         ok = r < n_rows
-        s = tl.load(logits_ptr + r[:, None] * V + cols[None, :],
-                    mask=ok[:, None] & c_ok[None, :], other=0.0)  # fmt: skip
+        tile_ok = ok[:, None] if EVEN else ok[:, None] & c_ok[None, :]
+        s = tl.load(logits_ptr + r[:, None] * V + cols[None, :], mask=tile_ok, other=0.0)
         label = tl.load(label_ptr + row0 + r, mask=ok, other=0)
-        lse = tl.load(lse_ptr + row0 + r, mask=ok, other=0.0)
+        # rows past n_rows: lse = +inf makes their softmax 0 whatever the bias (no inf * 0)
+        lse2 = tl.load(lse_ptr + row0 + r, mask=ok, other=float("inf")) * _LOG2E
         occ = tl.load(occ_ptr + row0 + r, mask=ok, other=0.0)
         w_blank = tl.load(wb_ptr + row0 + r, mask=ok, other=0.0)
         w_label = tl.load(wl_ptr + row0 + r, mask=ok, other=0.0)
-        d = tl.exp(s.to(tl.float32) + bias[None, :] - lse[:, None]) * occ[:, None]
+        # softmax in base 2, the bias folded into one multiply-add (as in the stats kernel)
+        d = tl.exp2(s.to(tl.float32) * _LOG2E + (bias2[None, :] - lse2[:, None])) * occ[:, None]
         d -= tl.where(cols[None, :] == blank, w_blank[:, None], 0.0)
         d -= tl.where(cols[None, :] == label[:, None], w_label[:, None], 0.0)
-        d = tl.where(ok[:, None] & c_ok[None, :], d, 0.0)
+        if not EVEN:
+            d = tl.where(c_ok[None, :], d, 0.0)
         col_sum += d
         tl.store(dl_ptr + r[:, None] * V + cols[None, :], d.to(dl_ptr.dtype.element_ty),
-                 mask=ok[:, None] & c_ok[None, :])  # fmt: skip
+                 mask=tile_ok)  # fmt: skip
     tl.store(dbias_ptr + pid * V + cols, tl.sum(col_sum, axis=0), mask=c_ok)
 
 
@@ -589,7 +601,7 @@ class _Problem:
             br, bn, warps, programs = _row_launch(STATS_LAUNCH, self.v, n, self.dev)
             _logit_stats_kernel[(programs,)](
                 logits, self.bias, self.label_rows, stats.lse, stats.lp_blank, stats.lp_label,
-                row0, n, self.v, self.blank, BR=br, BN=bn, num_warps=warps,
+                row0, n, self.v, self.blank, BR=br, BN=bn, EVEN=bn == self.v, num_warps=warps,
             )  # fmt: skip
 
 
@@ -658,7 +670,8 @@ class _Gradients:
         br, bn, warps, programs = self.dl_launch
         _dlogits_kernel[(programs,)](
             logits, dl, prob.bias, prob.label_rows, lse, *posteriors,
-            self.dbias_part, row0, n, prob.v, prob.blank, BR=br, BN=bn, num_warps=warps,
+            self.dbias_part, row0, n, prob.v, prob.blank, BR=br, BN=bn, EVEN=bn == prob.v,
+            num_warps=warps,
         )  # fmt: skip
         torch.sum(self.dbias_part, 0, out=self.dbias_chunks[self.chunks_done])
         self.chunks_done += 1

@@ -91,12 +91,12 @@ def assert_matches(got, want, rel):
 
 
 CASES = {
-    # ragged batch, V not a multiple of the 64-class tile, H not a power of two
+    # ragged batch, V not a power of two (the row kernels mask classes), H not a power of two
     "ragged": dict(lens=[(5, 4), (3, 1), (4, 0)], u_max=4, hid=24, vocab=37),
     # T = 1 and U = 0 / 1 side by side
     "edges": dict(lens=[(1, 0), (1, 1), (2, 0)], u_max=1, hid=16, vocab=10),
-    # more than one class tile: the online log-sum-exp crosses tiles
-    "two_class_tiles": dict(lens=[(3, 2), (2, 3)], u_max=3, hid=32, vocab=70),
+    # V a power of two, like the model's 1024: the row kernels' unmasked path (V == block width)
+    "power_of_two_classes": dict(lens=[(3, 2), (2, 3)], u_max=3, hid=32, vocab=64),
 }
 
 
