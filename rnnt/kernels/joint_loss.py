@@ -31,11 +31,12 @@ four GEMMs. All row-wise kernels read and write per-row vectors, so none of thei
 on another, and all lattice values are addressed by row (no (B, T, U+1) copies).
 
 Measured on one H200 (fp16, dropout 0.3, torch 2.11, Triton 3.6), forward + backward of the
-mean: (B, T, U) = (192, 204, 44) 13.9-14.5 ms over three runs and 1.17 GiB extra (the two-pass
-schedule: 17.3 ms, 1.27 GiB; torchaudio's padded joint + loss: 67-68 ms, 11 GiB); a
-LibriSpeech-shaped ragged batch of 192, packed, 23.8-24.7 ms (27.0 two-pass). Where the kernel time goes, and the fused designs
-measured slower (logits held in registers, GEMMs with the softmax in their epilogues, d(logits)
-in a GEMM prologue, L2-sized sub-chunks), are in docs/PERFORMANCE.md.
+mean: (B, T, U) = (192, 204, 44) 13.5-13.8 ms over three runs and 1.17 GiB extra (the two-pass
+schedule: 17.3 ms, 1.27 GiB; torchaudio's padded joint + loss: 67 ms, 11 GiB); a
+LibriSpeech-shaped ragged batch of 192, packed, 22.0-22.4 ms (27.0 two-pass). Where the kernel
+time goes, and the fused designs measured slower (logits held in registers, GEMMs with the
+softmax in their epilogues, d(logits) in a GEMM prologue, L2-sized sub-chunks), are in
+docs/PERFORMANCE.md.
 
 Row layouts: without host lengths the rows are the padded (B, T_max, U_max + 1) box (rows past
 T_b or U_b are zeros, computed anyway). With `host_lens` (the input pipeline knows the lengths on
@@ -53,6 +54,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -77,9 +79,16 @@ DLOGITS_LAUNCH = (1024, 4, 8)  # `_dlogits_kernel`
 HIDDEN_U_TILE = 16  # label states per program of `_hidden_kernel` (one frame, all of H)
 HIDDEN_WARPS = 4
 LATTICE_WARPS = 1  # `_lattice_kernel`: the diagonal's lane shifts stay inside one warp
-FG_H_TILE = 32  # hidden units per program of the df / dg reduction
-FG_PROGRAMS_PER_SM = 32  # frame splits are added until the reduction has this many programs
+FG_H_TILE = 64  # hidden units per program of the df / dg reduction
+FG_PROGRAMS_PER_SM = 16  # frame splits are added until the reduction has this many programs
 MAX_FG_U_TILE = 128  # label states per program there; more than this and df uses atomics
+# Loads software-pipelined this many loop iterations deep (`tl.range` stages): each program
+# then has the next blocks' loads in flight while it works on the current one. Against plain
+# loops: d(logits) 2.04 -> 1.84 ms at (192, 204, 44); df / dg (with 64-unit slices) 1.42 ->
+# 1.24 ms there and 3.11 -> 1.96 ms on a ragged LibriSpeech batch.
+STATS_STAGES = 2
+DLOGITS_STAGES = 3
+FG_STAGES = 3
 
 
 @triton.jit
@@ -297,7 +306,7 @@ def _hidden_kernel(
 @triton.jit(do_not_specialize=["row0", "n_rows"])
 def _logit_stats_kernel(
     logits_ptr, bias_ptr, label_ptr, lse_ptr, lpb_ptr, lpl_ptr, row0, n_rows, V, blank,
-    BR: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
+    BR: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Per chunk row r, written at batch row row0 + r: the log-sum-exp over the classes and the
     log-probabilities of blank and of the target label (bias added in fp32).
@@ -312,7 +321,9 @@ def _logit_stats_kernel(
     c_ok = cols < V
     bias2 = tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32) * _LOG2E
     bias_blank = tl.load(bias_ptr + blank).to(tl.float32)
-    for blk in range(tl.program_id(0), tl.cdiv(n_rows, BR), tl.num_programs(0)):
+    for blk in tl.range(
+        tl.program_id(0), tl.cdiv(n_rows, BR), tl.num_programs(0), num_stages=STAGES
+    ):
         r = (blk * BR + tl.arange(0, BR)).to(tl.int64)
         ok = r < n_rows
         label = tl.load(label_ptr + row0 + r, mask=ok, other=0)
@@ -338,6 +349,7 @@ def _logit_stats_kernel(
 def _dlogits_kernel(
     logits_ptr, dl_ptr, bias_ptr, label_ptr, lse_ptr, occ_ptr, wb_ptr, wl_ptr, dbias_ptr, row0,
     n_rows, V, blank, BR: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """d loss / d logits of chunk row r (batch row row0 + r) = occ softmax - [blank] w_blank -
     [label] w_label, from per-row occupancy and transition weights that already carry the
@@ -352,7 +364,7 @@ def _dlogits_kernel(
     c_ok = cols < V
     bias2 = tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32) * _LOG2E
     col_sum = tl.zeros((BR, BN), tl.float32)  # reduced over rows once, at the end
-    for blk in range(pid, tl.cdiv(n_rows, BR), tl.num_programs(0)):
+    for blk in tl.range(pid, tl.cdiv(n_rows, BR), tl.num_programs(0), num_stages=STAGES):
         r = (blk * BR + tl.arange(0, BR)).to(tl.int64)
         ok = r < n_rows
         tile_ok = ok[:, None] if EVEN else ok[:, None] & c_ok[None, :]
@@ -379,7 +391,7 @@ def _dlogits_kernel(
 def _grad_fg_kernel(
     dh_ptr, h_ptr, flen_ptr, tlen_ptr, offs_ptr, df_ptr, dg_part_ptr, b0, row0, BC, T, U1, H,
     t_per_split, BU: tl.constexpr, BK: tl.constexpr, ATOMIC_DF: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """df[b, t] = sum_u dpre[b, t, u] and per frame-split partials of dg[b, u] = sum_t
     dpre[b, t, u], with dpre = dh * relu'.
@@ -402,7 +414,7 @@ def _grad_fg_kernel(
     ok = (u <= u_len)[:, None] & k_ok[None, :]
     dg = tl.zeros((BU, BK), tl.float32)
     t_start = split * t_per_split
-    for t in range(t_start, tl.minimum(t_start + t_per_split, t_len)):
+    for t in tl.range(t_start, tl.minimum(t_start + t_per_split, t_len), num_stages=STAGES):
         row = _chunk_row(b, t, u, u_len, pid * T + t, offs_ptr, row0, T, U1, PACKED)
         offs = row[:, None] * H + k[None, :]
         dh = tl.load(dh_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -463,15 +475,13 @@ class _Layout:
     """
 
     def __init__(self, host_lens, bsz, t_max, u1, dev):
-        sizes = [t_max * u1] * bsz
+        sizes = np.full(bsz, t_max * u1, dtype=np.int64)
         if host_lens is not None:
-            sizes = [t * (u + 1) for t, u in zip(*host_lens, strict=True)]
+            sizes = np.asarray(host_lens[0], np.int64) * (np.asarray(host_lens[1], np.int64) + 1)
         # Without padding the packed rows are the padded ones, whose kernels skip the row
         # tables and the lengths' loads (measured 0.8 ms faster at (192, 204, 44)).
-        self.packed = sum(sizes) < bsz * t_max * u1
-        self.starts = [0]
-        for n in sizes:
-            self.starts.append(self.starts[-1] + n)
+        self.packed = int(sizes.sum()) < bsz * t_max * u1
+        self.starts = [0, *np.cumsum(sizes).tolist()]  # numpy: host time before the first launch
         if self.packed:
             bsz1 = len(self.starts)
             host = self.starts + [u + 1 for u in host_lens[1]]
@@ -580,9 +590,8 @@ class _Problem:
     def chunks(self, backward: bool) -> _Chunks:
         return _Chunks(self.layout, self.hid, self.v, self.f.dtype, self.dev, backward)
 
-    def logits(self, chunk: _Chunk, stats=None):
-        """h and logits of a chunk; with `stats`, also the chunk rows' log-sum-exp and
-        transition log-probabilities."""
+    def logits(self, chunk: _Chunk) -> None:
+        """h and logits of a chunk."""
         b0, bc, row0, n, h, logits = chunk[:6]
         layout = self.layout
         _hidden_kernel[(bc * self.t_max, triton.cdiv(self.u1, HIDDEN_U_TILE))](
@@ -597,12 +606,16 @@ class _Problem:
             # bf16: the fp32 product is a temporary of the chunk's logits size, so a bf16 step
             # holds about one more logits chunk than CHUNK_BYTES accounts for.
             logits.copy_(_mm_fp32(h, w_t))
-        if stats is not None:
-            br, bn, warps, programs = _row_launch(STATS_LAUNCH, self.v, n, self.dev)
-            _logit_stats_kernel[(programs,)](
-                logits, self.bias, self.label_rows, stats.lse, stats.lp_blank, stats.lp_label,
-                row0, n, self.v, self.blank, BR=br, BN=bn, EVEN=bn == self.v, num_warps=warps,
-            )  # fmt: skip
+
+    def stats(self, chunk: _Chunk, lattice: _Lattice) -> None:
+        """The chunk rows' log-sum-exp and transition log-probabilities, from its logits."""
+        row0, n, logits = chunk.row0, chunk.n, chunk.logits
+        br, bn, warps, programs = _row_launch(STATS_LAUNCH, self.v, n, self.dev)
+        _logit_stats_kernel[(programs,)](
+            logits, self.bias, self.label_rows, lattice.lse, lattice.lp_blank, lattice.lp_label,
+            row0, n, self.v, self.blank, BR=br, BN=bn, EVEN=bn == self.v, STAGES=STATS_STAGES,
+            num_warps=warps,
+        )  # fmt: skip
 
 
 class _Lattice:
@@ -671,7 +684,7 @@ class _Gradients:
         _dlogits_kernel[(programs,)](
             logits, dl, prob.bias, prob.label_rows, lse, *posteriors,
             self.dbias_part, row0, n, prob.v, prob.blank, BR=br, BN=bn, EVEN=bn == prob.v,
-            num_warps=warps,
+            STAGES=DLOGITS_STAGES, num_warps=warps,
         )  # fmt: skip
         torch.sum(self.dbias_part, 0, out=self.dbias_chunks[self.chunks_done])
         self.chunks_done += 1
@@ -683,6 +696,7 @@ class _Gradients:
             dh, h, prob.f_lens, prob.target_lens, prob.layout.offs, self.df, self.dg_part, b0,
             row0, self.max_bc, prob.t_max, prob.u1, prob.hid, t_per_split, BU=self.bu,
             BK=FG_H_TILE, ATOMIC_DF=prob.u1 > self.bu, PACKED=prob.layout.packed,
+            STAGES=FG_STAGES,
         )  # fmt: skip
         # chunks hold whole utterances: each row of dg is written once
         torch.sum(self.dg_part[:, :bc], 0, out=self.dg[b0 : b0 + bc])
@@ -720,11 +734,16 @@ class _FusedJointLoss(torch.autograd.Function):
                 seed, reduction, one_pass):  # fmt: skip
         prob = _Problem(f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank,
                         p_drop, seed)  # fmt: skip
-        lattice = _Lattice(prob)
         chunks = prob.chunks(backward=one_pass)
-        grads = _Gradients(prob, chunks) if one_pass else None
+        lattice = grads = None
         for chunk in chunks:
-            prob.logits(chunk, stats=lattice)
+            prob.logits(chunk)
+            if lattice is None:
+                # made once the first GEMM is queued, so the GPU is not idle while the host
+                # allocates them (the time before the first launch is the call's latency)
+                lattice = _Lattice(prob)
+                grads = _Gradients(prob, chunks) if one_pass else None
+            prob.stats(chunk, lattice)
             if one_pass:
                 b0, bc = chunk[:2]
                 lattice.solve(b0, bc)
