@@ -54,7 +54,6 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -475,13 +474,15 @@ class _Layout:
     """
 
     def __init__(self, host_lens, bsz, t_max, u1, dev):
-        sizes = np.full(bsz, t_max * u1, dtype=np.int64)
+        sizes = [t_max * u1] * bsz
         if host_lens is not None:
-            sizes = np.asarray(host_lens[0], np.int64) * (np.asarray(host_lens[1], np.int64) + 1)
+            sizes = [t * (u + 1) for t, u in zip(*host_lens, strict=True)]
         # Without padding the packed rows are the padded ones, whose kernels skip the row
         # tables and the lengths' loads (measured 0.8 ms faster at (192, 204, 44)).
-        self.packed = int(sizes.sum()) < bsz * t_max * u1
-        self.starts = [0, *np.cumsum(sizes).tolist()]  # numpy: host time before the first launch
+        self.packed = sum(sizes) < bsz * t_max * u1
+        self.starts = [0]
+        for n in sizes:
+            self.starts.append(self.starts[-1] + n)
         if self.packed:
             bsz1 = len(self.starts)
             host = self.starts + [u + 1 for u in host_lens[1]]
