@@ -83,8 +83,8 @@ FG_PROGRAMS_PER_SM = 16  # frame splits are added until the reduction has this m
 MAX_FG_U_TILE = 128  # label states per program there; more than this and df uses atomics
 # Loads software-pipelined this many loop iterations deep (`tl.range` stages): each program
 # then has the next blocks' loads in flight while it works on the current one. Against plain
-# loops: d(logits) 2.04 -> 1.84 ms at (192, 204, 44); df / dg (with 64-unit slices) 1.42 ->
-# 1.24 ms there and 3.11 -> 1.96 ms on a ragged LibriSpeech batch.
+# loops: d(logits) 2.04 -> 1.84 ms at (192, 204, 44); df / dg, together with its move from 32-
+# to 64-unit slices, 1.42 -> 1.24 ms there and 3.11 -> 1.96 ms on a ragged LibriSpeech batch.
 STATS_STAGES = 2
 DLOGITS_STAGES = 3
 FG_STAGES = 3
