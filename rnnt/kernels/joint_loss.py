@@ -356,7 +356,8 @@ def _dlogits_kernel(
     plus this program's column sums of it (its d bias share, one row of `dbias_ptr`).
 
     Persistent: program p takes blocks p, p + P, ... of BR whole rows. `dl_ptr` may alias
-    `logits_ptr` (same dtype): each element is read before it is written.
+    `logits_ptr` (same dtype): each element is read before it is written (the pipelined loads
+    run ahead only into the program's own later blocks, which nobody has written yet).
     """
     pid = tl.program_id(0)
     cols = tl.arange(0, BN)

@@ -365,6 +365,15 @@ def test_gpu_fp32_matches_reference_on_ragged_batches(bsz, packed, one_pass):
 
 @pytest.mark.gpu
 @ONE_PASS
+def test_gpu_fp32_vocabulary_not_a_power_of_two(one_pass):
+    # the row kernels' masked-class path with their pipelined loads (the CPU interpreter runs
+    # the loops unpipelined, and the other GPU cases have V = 1024, the unmasked path)
+    case = make_case(random_lens(7, 40, 12, 3), 12, 512, 1000, seed=3)
+    assert_matches(fused(*case, packed=True, one_pass=one_pass), reference(*case), rel=1e-4)
+
+
+@pytest.mark.gpu
+@ONE_PASS
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_half_precision_within_1e2_of_fp32(dtype, one_pass):
     # fp32 run on the same (rounded) values: rounding the inputs differently would flip ReLUs
