@@ -12,10 +12,12 @@ and the per-utterance loss -log P(y_b | x_b) from the forward/backward variables
 The lattice rows are walked in chunks of whole utterances whose h (rows x H), logits and
 d(logits) (rows x V, one buffer) and dh fit in CHUNK_BYTES; nothing proportional to
 B T (U+1) H or B T (U+1) V is ever allocated. Per chunk:
-    1. `_hidden_kernel` writes h (relu, dropout, zero rows outside each utterance's lattice).
-    2. cuBLAS: logits = h @ W^T (tensor cores, fp32 accumulation).
+    1. `_hidden_kernel` writes h = keep * relu(f + g) (zero rows outside each utterance's
+       lattice). Dropout's 1 / (1 - p) is left to the fp32 steps: it rides on the row kernels'
+       multiply-adds and on the final gradient scales, and costs no pass.
+    2. cuBLAS: logits / (1 - p) = h @ W^T (tensor cores, fp32 accumulation).
     3. `_logit_stats_kernel` keeps each row's log-sum-exp and blank / target log-probabilities
-       (bias added in fp32).
+       (the 1 / (1 - p) and the bias applied in fp32).
     4. `_lattice_kernel` walks the chunk's utterances' lattices by anti-diagonals (alpha and
        beta in parallel programs), `_posteriors_kernel` turns them into each row's occupancy
        and blank / label transition posteriors.
@@ -31,9 +33,9 @@ four GEMMs. All row-wise kernels read and write per-row vectors, so none of thei
 on another, and all lattice values are addressed by row (no (B, T, U+1) copies).
 
 Measured on one H200 (fp16, dropout 0.3, torch 2.11, Triton 3.6), forward + backward of the
-mean: (B, T, U) = (192, 204, 44) 13.5-13.8 ms over three runs and 1.17 GiB extra (the two-pass
+mean: (B, T, U) = (192, 204, 44) 13.1-13.2 ms over three runs and 1.17 GiB extra (the two-pass
 schedule: 17.3 ms, 1.27 GiB; torchaudio's padded joint + loss: 67 ms, 11 GiB); a
-LibriSpeech-shaped ragged batch of 192, packed, 22.0-22.4 ms (27.0 two-pass). Where the kernel
+LibriSpeech-shaped ragged batch of 192, packed, 20.2-20.3 ms (27.0 two-pass). Where the kernel
 time goes, and the fused designs measured slower (logits held in registers, GEMMs with the
 softmax in their epilogues, d(logits) in a GEMM prologue, L2-sized sub-chunks), are in
 docs/PERFORMANCE.md.
@@ -43,9 +45,9 @@ T_b or U_b are zeros, computed anyway). With `host_lens` (the input pipeline kno
 the host, so no sync) they are packed: only sum_b T_b (U_b + 1) rows (2.57M lattice cells of a
 5.90M-cell box on the ragged batch above).
 
-Dropout: unit k of cell (b, t, u) is kept when its 16 bits of an integer hash of (seed, b,
-cell, k // 2) are >= p * 2^16 (one hash per pair of units), regenerated identically in forward
-and backward; `dropout_keep_mask` materialises it for tests.
+Dropout: unit k of cell (b, t, u) is kept when its 15 bits of an integer hash of (seed, b,
+cell, k // 2) are >= p * 2^15 (one hash per pair of units); `dropout_keep_mask` materialises
+the mask and `joint_hidden` the h rows, for tests.
 Runs on CUDA tensors, and on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1).
 """
 
@@ -101,20 +103,39 @@ def _mix(x):
 
 
 @triton.jit
-def _keep(seed, b, t, u, U1, H, drop_thr, HP: tl.constexpr):
-    """Keep mask (M, HP) of units k < HP of cells (b[m], t[m], u[m]): units 2j and 2j + 1
-    take the low and high 16 bits of one hash of (seed, b, t, u, j), kept when >= p * 2^16."""
+def _pair_bits(seed, b, t, u, U1, H, HP: tl.constexpr):
+    """(M, HP // 2) hashes of (seed, b[m], t[m], u[m], j): unit pair j = (2j, 2j + 1) of cell
+    (b[m], t[m], u[m])."""
     key = _mix((seed + b * 0x27D4EB2F).to(tl.uint32, bitcast=True))
     j = tl.arange(0, HP // 2)
     pair = ((t * U1 + u)[:, None] * ((H + 1) // 2) + j[None, :]).to(tl.uint32, bitcast=True)
-    bits = _mix(pair ^ key[:, None])
-    return tl.interleave(bits & 0xFFFF, bits >> 16).to(tl.int32) >= drop_thr
+    return _mix(pair ^ key[:, None])
 
 
 @triton.jit
-def _logaddexp(a, b):
+def _keep(seed, b, t, u, U1, H, drop_thr, HP: tl.constexpr):
+    """Keep mask (M, HP) of units k < HP of cells (b[m], t[m], u[m]): units 2j and 2j + 1 take
+    bits 0-14 and 16-30 of their pair's hash, kept when that 15-bit number is >= p * 2^15.
+    (15, not 16: `_ASM_GATE` then compares both halves of a hash with one subtraction.)"""
+    bits = _pair_bits(seed, b, t, u, U1, H, HP)
+    return tl.interleave(bits & 0x7FFF, (bits >> 16) & 0x7FFF).to(tl.int32) >= drop_thr
+
+
+@triton.jit
+def _logaddexp(a, b, HW_LOG2: tl.constexpr):
+    """log(e^a + e^b) = max + ln 2 log2(1 + 2^(-|a - b| log2 e)): one exp2 and one log2 on the
+    lattice walk's critical path. HW_LOG2: the log2 as the MUFU instruction (its argument is in
+    [1, 2], where it is good to 2^-22), not libdevice's polynomial, which is some 20 dependent
+    FMAs; the interpreter cannot run the inline assembly."""
     top = tl.maximum(a, b)
-    return top + tl.log(tl.exp(a - top) + tl.exp(b - top))
+    x = 1.0 + tl.exp2(-tl.abs(a - b) * _LOG2E)
+    if HW_LOG2:
+        lg = tl.inline_asm_elementwise(
+            "lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        lg = tl.log2(x)
+    return top + _LN2 * lg
 
 
 @triton.jit
@@ -122,7 +143,7 @@ def _utterance_rows(b, u_len, offs_ptr, T, U1, PACKED: tl.constexpr):
     """(first row, rows per frame) of utterance b's lattice: cell (t, u) is row first + t
     stride + u (int64). Packed: from offs[b], U_b + 1 per frame; padded: the (B, T, U+1) box."""
     if PACKED:
-        return tl.load(offs_ptr + b), (u_len + 1).to(tl.int64)
+        return tl.load(offs_ptr + b).to(tl.int64), (u_len + 1).to(tl.int64)
     return b.to(tl.int64) * T * U1, (U1 + 0 * u_len).to(tl.int64)
 
 
@@ -148,15 +169,18 @@ def _diagonal(lpb_ptr, lpl_ptr, first, stride, n, t_len, u_len, BLOCK_U: tl.cons
 @triton.jit(do_not_specialize=["T", "U1", "b0"])
 def _lattice_kernel(
     lpb_ptr, lpl_ptr, offs_ptr, flen_ptr, tlen_ptr, alpha_ptr, beta_ptr, ll_ptr, b0, T, U1,
-    BLOCK_U: tl.constexpr, PACKED: tl.constexpr,
+    BLOCK_U: tl.constexpr, PACKED: tl.constexpr, HW_LOG2: tl.constexpr,
 ):  # fmt: skip
     """alpha (program (i, 0)) or beta and log P (program (i, 1)) of utterance b0 + i, by rows.
 
     One anti-diagonal n = t + u per step, lane u holding cell (n - u, u): the diagonal stays in
     registers and the neighbour on the previous diagonal is a lane shift (`tl.gather`), so the
     only memory traffic of the sequential walk are the two transition log-probabilities per
-    cell, loaded one diagonal ahead of their use (two ahead measured slower: the walk is
-    bound by its arithmetic and lane shifts). Only cells inside the lattice are written.
+    cell, loaded one diagonal ahead of their use. Only cells inside the lattice are written.
+    The walk is bound by latency: with the log2 as one instruction (`_logaddexp`) seven chunks
+    at (192, 204, 44) take 0.37 ms instead of 0.49, and the ragged LibriSpeech batch's eleven
+    1.76 ms instead of 2.89 (H200); loading two diagonals ahead, or pipelining the loads with
+    `tl.range` stages (2, 3, 4, 6), was slower at (192, 204, 44).
     """
     b = b0 + tl.program_id(0)
     t_len = tl.load(flen_ptr + b)
@@ -175,7 +199,7 @@ def _lattice_kernel(
         for n in range(1, n_diag):
             nxt = _diagonal(lpb_ptr, lpl_ptr, first, stride, n + 1, t_len, u_len, BLOCK_U, True)
             emit = tl.gather(alpha, left, 0) + lpl
-            alpha = tl.where(ok, _logaddexp(alpha + lpb, emit), _KNEG)
+            alpha = tl.where(ok, _logaddexp(alpha + lpb, emit, HW_LOG2), _KNEG)
             tl.store(alpha_ptr + row, alpha, mask=ok)
             ok, row, lpb, lpl = nxt
     else:
@@ -190,7 +214,7 @@ def _lattice_kernel(
             nxt = _diagonal(lpb_ptr, lpl_ptr, first, stride, n_diag - 2 - i, t_len, u_len,
                             BLOCK_U, False)  # fmt: skip
             emit = tl.gather(beta, right, 0) + lpl
-            beta = tl.where(ok, _logaddexp(beta + lpb, emit), _KNEG)
+            beta = tl.where(ok, _logaddexp(beta + lpb, emit, HW_LOG2), _KNEG)
             tl.store(beta_ptr + row, beta, mask=ok)
             ok, row, lpb, lpl = nxt
         tl.store(ll_ptr + b, tl.sum(tl.where(u == 0, beta, 0.0), axis=0))
@@ -258,18 +282,66 @@ def _chunk_row(b, t, u, u_len, pid, offs_ptr, row0, T, U1, PACKED: tl.constexpr)
     cells start at offs[b] of the whole batch (then t (U_b + 1) + u); the chunk at row0.
     """
     if PACKED:
-        return tl.load(offs_ptr + b) - row0 + (t * (u_len + 1) + u).to(tl.int64)
+        return tl.load(offs_ptr + b).to(tl.int64) - row0 + (t * (u_len + 1) + u).to(tl.int64)
     return (pid * U1 + u).to(tl.int64)
+
+
+# One pair of 16-bit units per instance: h = keep ? relu(f + g) : 0 in packed half-precision
+# math. The hidden kernel is bound by instruction issue, not memory, and this takes 752 sm_90
+# instructions per thread (64 units) where fp32 math with per-unit compares and selects takes
+# 1,152 (the dropout hash is most of what is left). $1, $2: f and g pairs;
+# $3: the pair's hash; $5: the drop threshold in both 16-bit halves (0x80008000 drops both, a
+# row outside the lattice). With the 15-bit halves of the hash topped up to 0x8000, the
+# subtraction cannot borrow across halves, and bit 15 of each half says "kept"; prmt copies it
+# over its half (sign-replicating bytes 1 and 3).
+_ASM_GATE = """{
+.reg .b32 s, y, z;
+mov.b32 z, 0;
+add.rn.{ty}x2 s, $1, $2;
+max.{ty}x2 s, s, z;
+or.b32 y, $3, 0x80008000;
+sub.u32 y, y, $5;
+prmt.b32 y, y, y, 0xBB99;
+and.b32 $0, s, y;
+}"""
+
+
+def _gate_asm(dtype: torch.dtype) -> str:
+    """`_ASM_GATE` for a half-precision dtype, "" for the others (fp32 math)."""
+    ty = {torch.float16: "f16", torch.bfloat16: "bf16"}.get(dtype)
+    return _ASM_GATE.replace("{ty}", ty) if ty else ""
+
+
+@triton.jit
+def _gate_pairs(fv, gv, bits, thr_row, ASM: tl.constexpr):
+    """keep * relu(f + g) of (M, HP) half-precision units with the unit-pair hashes `bits`
+    (M, HP // 2) and per-row thresholds `thr_row` (M,) (of `_keep`, > 2^15 - 1 drops the row),
+    in packed math (ASM: `_gate_asm` of their dtype)."""
+    return tl.inline_asm_elementwise(
+        ASM,
+        "=r,r,r,r,r,r,r",
+        [fv, gv, tl.interleave(bits, bits), tl.broadcast_to(thr_row[:, None], gv.shape)],
+        dtype=gv.dtype,
+        is_pure=True,
+        pack=2,
+    )
 
 
 @triton.jit(do_not_specialize=["T", "U1", "seed", "b0", "row0"])
 def _hidden_kernel(
-    f_ptr, g_ptr, flen_ptr, tlen_ptr, offs_ptr, h_ptr, b0, row0, T, U1, H, seed, drop_thr,
-    scale, BU: tl.constexpr, HP: tl.constexpr, DROPOUT: tl.constexpr, PACKED: tl.constexpr,
+    f_ptr, g_ptr, flen_ptr, tlen_ptr, offs_ptr, h_ptr, tgt_ptr, tgt_stride, label_ptr, b0, row0,
+    T, U1, H, V, seed, drop_thr, BU: tl.constexpr, HP: tl.constexpr, DROPOUT: tl.constexpr,
+    PACKED: tl.constexpr, GATE_ASM: tl.constexpr, LABELS: tl.constexpr,
 ):  # fmt: skip
-    """h rows of one frame: h[(b, t, u)] = dropout(relu(f[b, t] + g[b, u])); padded rows
-    outside the lattice are 0, packed chunks have none (and their programs past T_b or U_b
-    return at once: on a ragged batch most of the (frame, label-tile) grid is such)."""
+    """h rows of one frame: h[(b, t, u)] = keep * relu(f[b, t] + g[b, u]), without dropout's
+    1 / (1 - p) (the row kernels and the gradients apply it in fp32); padded rows outside the
+    lattice are 0, packed chunks have none (and their programs past T_b or U_b return at once:
+    on a ragged batch most of the (frame, label-tile) grid is such). With GATE_ASM (`_gate_asm`)
+    the sum, ReLU and mask run in packed half-precision math, else in fp32.
+
+    LABELS: also the rows' target labels at batch row row0 + row, targets[b, u] clamped to
+    [0, V) (0 where u >= U_b, which no label transition reads), for the row kernels' gathers.
+    """
     pid = tl.program_id(0)
     b = b0 + pid // T
     t = pid % T
@@ -288,27 +360,42 @@ def _hidden_kernel(
         fv = tl.load(f_ptr + (b * T + t).to(tl.int64) * H + k, mask=k_ok, other=0.0)
         gv = tl.load(g_ptr + (b * U1 + u).to(tl.int64)[:, None] * H + k[None, :],
                      mask=(u < U1)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        h = tl.maximum(fv.to(tl.float32)[None, :] + gv.to(tl.float32), 0.0)
-        if DROPOUT:
-            keep = _keep(seed, b + 0 * u, t + 0 * u, u, U1, H, drop_thr, HP)
-            h = tl.where(keep, h * scale, 0.0)
+        if GATE_ASM != "":
+            if DROPOUT:
+                bits = _pair_bits(seed, b + 0 * u, t + 0 * u, u, U1, H, HP)
+                thr = (drop_thr * 0x10001).to(tl.uint32, bitcast=True)
+            else:
+                bits = tl.zeros((BU, HP // 2), tl.uint32)
+                thr = tl.zeros((), tl.uint32)
+            thr_row = tl.where(row_ok, thr, tl.full((), 0x80008000, tl.uint32))
+            h = _gate_pairs(fv[None, :], gv, bits, thr_row, GATE_ASM)
+        else:
+            h = tl.maximum(fv.to(tl.float32)[None, :] + gv.to(tl.float32), 0.0)
+            if DROPOUT:
+                keep = _keep(seed, b + 0 * u, t + 0 * u, u, U1, H, drop_thr, HP)
+                h = tl.where(keep, h, 0.0)
+            h = tl.where(row_ok[:, None], h, 0.0)
         row = _chunk_row(b, t, u, u_len, pid, offs_ptr, row0, T, U1, PACKED)
         if PACKED:
             store_ok = row_ok[:, None] & k_ok[None, :]
         else:
-            h = tl.where(row_ok[:, None], h, 0.0)
             store_ok = (u < U1)[:, None] & k_ok[None, :]
         tl.store(h_ptr + row[:, None] * H + k[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=store_ok)  # fmt: skip
+        if LABELS:
+            label = tl.load(tgt_ptr + b.to(tl.int64) * tgt_stride + u, mask=u < u_len, other=0)
+            label = tl.minimum(tl.maximum(label, 0), V - 1).to(tl.int32)
+            tl.store(label_ptr + row0 + row, label, mask=row_ok if PACKED else u < U1)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows"])
 def _logit_stats_kernel(
     logits_ptr, bias_ptr, label_ptr, lse_ptr, lpb_ptr, lpl_ptr, row0, n_rows, V, blank,
-    BR: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
+    gate_scale, BR: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Per chunk row r, written at batch row row0 + r: the log-sum-exp over the classes and the
-    log-probabilities of blank and of the target label (bias added in fp32).
+    log-probabilities of blank and of the target label. The logits are gate_scale * (the
+    buffer's h W^T, h without dropout's 1 / (1 - p)) + bias, formed in fp32.
 
     Persistent: program p takes blocks p, p + P, ... of BR whole rows (BN >= V), so each logit
     is read once with no online rescale; the blank and target logits are two gathers. Every
@@ -318,6 +405,7 @@ def _logit_stats_kernel(
     """
     cols = tl.arange(0, BN)
     c_ok = cols < V
+    scale2 = gate_scale * _LOG2E
     bias2 = tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32) * _LOG2E
     bias_blank = tl.load(bias_ptr + blank).to(tl.float32)
     for blk in tl.range(
@@ -332,9 +420,12 @@ def _logit_stats_kernel(
             s = tl.load(logits_ptr + r[:, None] * V + cols[None, :],
                         mask=ok[:, None] & c_ok[None, :], other=0.0)  # fmt: skip
         s_blank = tl.load(logits_ptr + r * V + blank, mask=ok, other=0.0).to(tl.float32)
+        s_blank *= gate_scale
         s_label = tl.load(logits_ptr + r * V + label, mask=ok, other=0.0).to(tl.float32)
-        s_label += tl.load(bias_ptr + label, mask=ok, other=0.0).to(tl.float32)
-        s2 = s.to(tl.float32) * _LOG2E + bias2[None, :]  # (logit + bias) * log2(e)
+        s_label = s_label * gate_scale + tl.load(bias_ptr + label, mask=ok, other=0.0).to(
+            tl.float32
+        )
+        s2 = s.to(tl.float32) * scale2 + bias2[None, :]  # logit * log2(e)
         if not EVEN:
             s2 = tl.where(c_ok[None, :], s2, _KNEG)
         top = tl.max(s2, axis=1)
@@ -347,7 +438,7 @@ def _logit_stats_kernel(
 @triton.jit(do_not_specialize=["row0", "n_rows"])
 def _dlogits_kernel(
     logits_ptr, dl_ptr, bias_ptr, label_ptr, lse_ptr, occ_ptr, wb_ptr, wl_ptr, dbias_ptr, row0,
-    n_rows, V, blank, BR: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
+    n_rows, V, blank, gate_scale, BR: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
     STAGES: tl.constexpr,
 ):  # fmt: skip
     """d loss / d logits of chunk row r (batch row row0 + r) = occ softmax - [blank] w_blank -
@@ -363,6 +454,7 @@ def _dlogits_kernel(
     cols = tl.arange(0, BN)
     c_ok = cols < V
     bias2 = tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32) * _LOG2E
+    scale2 = gate_scale * _LOG2E  # the logits as in `_logit_stats_kernel`
     col_sum = tl.zeros((BR, BN), tl.float32)  # reduced over rows once, at the end
     for blk in tl.range(pid, tl.cdiv(n_rows, BR), tl.num_programs(0), num_stages=STAGES):
         r = (blk * BR + tl.arange(0, BR)).to(tl.int64)
@@ -376,7 +468,7 @@ def _dlogits_kernel(
         w_blank = tl.load(wb_ptr + row0 + r, mask=ok, other=0.0)
         w_label = tl.load(wl_ptr + row0 + r, mask=ok, other=0.0)
         # softmax in base 2, the bias folded into one multiply-add (as in the stats kernel)
-        d = tl.exp2(s.to(tl.float32) * _LOG2E + (bias2[None, :] - lse2[:, None])) * occ[:, None]
+        d = tl.exp2(s.to(tl.float32) * scale2 + (bias2[None, :] - lse2[:, None])) * occ[:, None]
         d -= tl.where(cols[None, :] == blank, w_blank[:, None], 0.0)
         d -= tl.where(cols[None, :] == label[:, None], w_label[:, None], 0.0)
         if not EVEN:
@@ -396,8 +488,8 @@ def _grad_fg_kernel(
     """df[b, t] = sum_u dpre[b, t, u] and per frame-split partials of dg[b, u] = sum_t
     dpre[b, t, u], with dpre = dh * relu'.
 
-    h holds dropout(relu(.)) * scale, so h > 0 is exactly where the gate is open (the gate's
-    value, `scale`, is applied by the caller). Program (utterance, H-slice, split x U-tile)
+    h holds keep * relu(.), so h > 0 is exactly where the gate is open (the gate's value,
+    1 / (1 - p), is applied by the caller). Program (utterance, H-slice, split x U-tile)
     walks its frames; df is stored directly when one U-tile covers U+1 (no atomics), and the
     dg partials (splits, BC >= chunk utterances, U+1, H) are summed by the caller
     (deterministic).
@@ -440,9 +532,15 @@ def _hp(h: int) -> int:
 
 
 def _threshold(p: float) -> int:
-    # The drop probability is p rounded to a multiple of 2^-16 (at most 7.6e-6 off); the
+    # The drop probability is p rounded to a multiple of 2^-15 (at most 1.6e-5 off); the
     # kept units are still scaled by 1 / (1 - p), as torch's dropout does.
-    return round(p * 2**16)
+    return round(p * 2**15)
+
+
+def _compiled(device: torch.device) -> bool:
+    """Whether the kernels are compiled for `device` (else the Triton interpreter runs them,
+    which cannot run inline assembly)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def dropout_keep_mask(seed: int, b: int, t: int, u1: int, h: int, p: float, device) -> torch.Tensor:
@@ -453,6 +551,24 @@ def dropout_keep_mask(seed: int, b: int, t: int, u1: int, h: int, p: float, devi
         out, seed, t, u1, h, _threshold(p), BU=bu, HP=_hp(h)
     )
     return out.bool()
+
+
+def joint_hidden(f, g, f_lens, target_lens, p: float, seed: int, packed_math: bool = True):
+    """The fused kernels' h rows of the padded lattice, (B, T, U+1, H) in f's dtype:
+    keep * relu(f + g) (without dropout's 1 / (1 - p)), 0 past each utterance's lengths; for
+    tests. packed_math=False takes the fp32 path that half precision skips on CUDA."""
+    bsz, t_max, hid = f.shape
+    u1 = g.shape[1]
+    out = torch.empty(bsz, t_max, u1, hid, dtype=f.dtype, device=f.device)
+    lens = (x.to(f.device, torch.int32).contiguous() for x in (f_lens, target_lens))
+    unused = torch.zeros(1, dtype=torch.int32, device=f.device)  # offsets and labels
+    _hidden_kernel[(bsz * t_max, triton.cdiv(u1, HIDDEN_U_TILE))](
+        f.contiguous(), g.contiguous(), *lens, unused, out, unused, 0, unused, 0, 0, t_max, u1,
+        hid, 1, seed, _threshold(p), BU=HIDDEN_U_TILE, HP=_hp(hid), DROPOUT=p > 0, PACKED=False,
+        GATE_ASM=_gate_asm(f.dtype) if packed_math and _compiled(f.device) else "", LABELS=False,
+        num_warps=HIDDEN_WARPS,
+    )  # fmt: skip
+    return out
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -469,12 +585,12 @@ class _Layout:
 
     Padded: utterance b owns rows [b T (U+1), (b+1) T (U+1)), the (B, T, U+1) box, so rows
     past T_b or U_b are computed too, and row = lattice cell. Packed (lengths known on the
-    host, and some padding to skip): it owns T_b (U_b + 1) rows from starts[b], nothing else.
-    `starts` (B + 1,) are host ints; `offs` is their device copy for the kernels and `cells`
-    (packed only) the lattice cell b T (U+1) + t (U+1) + u of every row.
+    host, and some padding to skip): it owns T_b (U_b + 1) rows from starts[b], nothing else:
+    cell (t, u) is row starts[b] + t (U_b + 1) + u. `starts` (B + 1,) are host ints (the
+    kernels read a device copy).
     """
 
-    def __init__(self, host_lens, bsz, t_max, u1, dev):
+    def __init__(self, host_lens, bsz, t_max, u1):
         sizes = [t_max * u1] * bsz
         if host_lens is not None:
             sizes = [t * (u + 1) for t, u in zip(*host_lens, strict=True)]
@@ -484,29 +600,10 @@ class _Layout:
         self.starts = [0]
         for n in sizes:
             self.starts.append(self.starts[-1] + n)
-        if self.packed:
-            bsz1 = len(self.starts)
-            host = self.starts + [u + 1 for u in host_lens[1]]
-            self.offs, u1s = to_device(host, dev, torch.int64).split([bsz1, bsz1 - 1])
-            n_rows = self.starts[-1]
-            row_b = torch.repeat_interleave(
-                torch.arange(bsz, device=dev), self.offs.diff(), output_size=n_rows
-            )
-            u1_b = u1s[row_b]
-            local = torch.arange(n_rows, device=dev) - self.offs[row_b]
-            t = local // u1_b
-            self.cells = (row_b * t_max + t) * u1 + (local - t * u1_b)
-        else:
-            self.offs = torch.zeros(1, dtype=torch.int64, device=dev)  # the kernels never read it
 
     @property
     def n_rows(self) -> int:
         return self.starts[-1]
-
-    def rows(self, lattice: torch.Tensor) -> torch.Tensor:
-        """(B, T, U+1) lattice values -> one per row (contiguous)."""
-        flat = lattice.reshape(-1)
-        return flat[self.cells] if self.packed else flat.contiguous()
 
     def chunks(self, rows_per_chunk: int) -> list[tuple[int, int]]:
         """(b0, bc) of consecutive utterances whose rows fit in rows_per_chunk (at least one)."""
@@ -529,7 +626,7 @@ class _Chunk(NamedTuple):
     bc: int
     row0: int
     n: int
-    h: torch.Tensor  # (n, H) dropout(relu(f + g))
+    h: torch.Tensor  # (n, H) keep * relu(f + g)
     logits: torch.Tensor  # (n, V), overwritten by d(logits) when `dl` is the same buffer
     dl: torch.Tensor  # (n, V)
     dh: torch.Tensor | None  # (n, H); None without gradients
@@ -569,7 +666,8 @@ class _Chunks:
 
 class _Problem:
     """One call's inputs as the kernels take them: contiguous operands, int32 lengths on the
-    device, the row layout, each row's target label and the dropout constants."""
+    device, the row layout (and its device row offsets `offs`), the per-row target labels'
+    buffer (filled by the hidden kernel) and the dropout constants."""
 
     def __init__(self, f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank,
                  p_drop, seed):  # fmt: skip
@@ -578,28 +676,46 @@ class _Problem:
         self.v = weight.shape[0]
         self.dev = f.device
         self.f, self.g, self.weight, self.bias = (x.contiguous() for x in (f, g, weight, bias))
-        self.f_lens = f_lens.to(self.dev, torch.int32).contiguous()
-        self.target_lens = target_lens.to(self.dev, torch.int32).contiguous()
+        self.targets = targets.contiguous()
         self.blank = blank
         self.has_dropout = p_drop > 0.0
         self.gate_scale = 1.0 / (1.0 - p_drop) if self.has_dropout else 1.0
-        self.dropout = (seed, _threshold(p_drop), self.gate_scale)  # the hidden kernel's args
-        self.layout = _Layout(host_lens, self.bsz, self.t_max, self.u1, self.dev)
-        tgt = torch.zeros(self.bsz, self.u1, dtype=torch.int32, device=self.dev)
-        tgt[:, : self.u1 - 1] = targets.clamp(0, self.v - 1)
-        self.label_rows = self.layout.rows(tgt.unsqueeze(1).expand(self.bsz, self.t_max, self.u1))
+        self.dropout = (seed, _threshold(p_drop))  # the hidden kernel's args
+        self.compiled = _compiled(self.dev)  # not the interpreter: inline assembly allowed
+        self.gate_asm = _gate_asm(f.dtype) if self.compiled else ""
+        self.layout = layout = _Layout(host_lens, self.bsz, self.t_max, self.u1)
+        if layout.n_rows >= 2**31:
+            raise ValueError(
+                f"fused joint loss: {layout.n_rows} lattice rows (B T (U+1)) exceed the int32 "
+                "row offsets; split the batch"
+            )
+        if host_lens is None:
+            self.f_lens = f_lens.to(self.dev, torch.int32).contiguous()
+            self.target_lens = target_lens.to(self.dev, torch.int32).contiguous()
+        else:
+            # one host-to-device copy for the lengths and the row offsets (each costs host time
+            # before the first launch, and the GPU waits for that)
+            host = [*host_lens[0], *host_lens[1], *(layout.starts if layout.packed else [])]
+            lens = to_device(host, self.dev)
+            self.f_lens, self.target_lens = lens[: self.bsz], lens[self.bsz : 2 * self.bsz]
+        # int32 row offsets (B + 1,) of the packed layout; the padded layout's kernels never
+        # read them, and get any int32 pointer
+        self.offs = lens[2 * self.bsz :] if layout.packed else self.f_lens
+        self.label_rows = torch.empty(layout.n_rows, dtype=torch.int32, device=self.dev)
 
     def chunks(self, backward: bool) -> _Chunks:
         return _Chunks(self.layout, self.hid, self.v, self.f.dtype, self.dev, backward)
 
-    def logits(self, chunk: _Chunk) -> None:
-        """h and logits of a chunk."""
+    def logits(self, chunk: _Chunk, labels: bool = True) -> None:
+        """h and logits of a chunk, and its rows' target labels unless `labels` is False (they
+        are there from the forward)."""
         b0, bc, row0, n, h, logits = chunk[:6]
         layout = self.layout
         _hidden_kernel[(bc * self.t_max, triton.cdiv(self.u1, HIDDEN_U_TILE))](
-            self.f, self.g, self.f_lens, self.target_lens, layout.offs, h, b0, row0, self.t_max,
-            self.u1, self.hid, *self.dropout, BU=HIDDEN_U_TILE, HP=_hp(self.hid),
-            DROPOUT=self.has_dropout, PACKED=layout.packed, num_warps=HIDDEN_WARPS,
+            self.f, self.g, self.f_lens, self.target_lens, self.offs, h, self.targets,
+            self.targets.stride(0), self.label_rows, b0, row0, self.t_max, self.u1, self.hid,
+            self.v, *self.dropout, BU=HIDDEN_U_TILE, HP=_hp(self.hid), DROPOUT=self.has_dropout,
+            PACKED=layout.packed, GATE_ASM=self.gate_asm, LABELS=labels, num_warps=HIDDEN_WARPS,
         )  # fmt: skip
         w_t = self.weight.t()
         if logits.dtype == h.dtype:
@@ -615,8 +731,8 @@ class _Problem:
         br, bn, warps, programs = _row_launch(STATS_LAUNCH, self.v, n, self.dev)
         _logit_stats_kernel[(programs,)](
             logits, self.bias, self.label_rows, lattice.lse, lattice.lp_blank, lattice.lp_label,
-            row0, n, self.v, self.blank, BR=br, BN=bn, EVEN=bn == self.v, STAGES=STATS_STAGES,
-            num_warps=warps,
+            row0, n, self.v, self.blank, self.gate_scale, BR=br, BN=bn, EVEN=bn == self.v,
+            STAGES=STATS_STAGES, num_warps=warps,
         )  # fmt: skip
 
 
@@ -637,9 +753,9 @@ class _Lattice:
         must be in place."""
         prob = self.prob
         _lattice_kernel[(bc, 2)](
-            self.lp_blank, self.lp_label, prob.layout.offs, prob.f_lens, prob.target_lens,
+            self.lp_blank, self.lp_label, prob.offs, prob.f_lens, prob.target_lens,
             self.alpha, self.beta, self.log_lik, b0, prob.t_max, prob.u1, BLOCK_U=self.block_u,
-            PACKED=prob.layout.packed, num_warps=LATTICE_WARPS,
+            PACKED=prob.layout.packed, HW_LOG2=prob.compiled, num_warps=LATTICE_WARPS,
         )  # fmt: skip
 
     def posteriors(self, b0: int, bc: int, weights: torch.Tensor | None = None):
@@ -648,7 +764,7 @@ class _Lattice:
         prob = self.prob
         bt = max(1, 2048 // self.block_u)
         _posteriors_kernel[(bc, triton.cdiv(prob.t_max, bt))](
-            self.lp_blank, self.lp_label, prob.layout.offs, prob.f_lens, prob.target_lens,
+            self.lp_blank, self.lp_label, prob.offs, prob.f_lens, prob.target_lens,
             self.alpha, self.beta, self.log_lik, self.log_lik if weights is None else weights,
             self.occ, self.w_blank, self.w_label, b0, prob.t_max, prob.u1, BT=bt,
             BLOCK_U=self.block_u, PACKED=prob.layout.packed, WEIGHTED=weights is not None,
@@ -685,8 +801,8 @@ class _Gradients:
         br, bn, warps, programs = self.dl_launch
         _dlogits_kernel[(programs,)](
             logits, dl, prob.bias, prob.label_rows, lse, *posteriors,
-            self.dbias_part, row0, n, prob.v, prob.blank, BR=br, BN=bn, EVEN=bn == prob.v,
-            STAGES=DLOGITS_STAGES, num_warps=warps,
+            self.dbias_part, row0, n, prob.v, prob.blank, prob.gate_scale, BR=br, BN=bn,
+            EVEN=bn == prob.v, STAGES=DLOGITS_STAGES, num_warps=warps,
         )  # fmt: skip
         torch.sum(self.dbias_part, 0, out=self.dbias_chunks[self.chunks_done])
         self.chunks_done += 1
@@ -695,7 +811,7 @@ class _Gradients:
         t_per_split = triton.cdiv(prob.t_max, self.splits)
         grid = (bc, triton.cdiv(prob.hid, FG_H_TILE), self.splits * triton.cdiv(prob.u1, self.bu))
         _grad_fg_kernel[grid](
-            dh, h, prob.f_lens, prob.target_lens, prob.layout.offs, self.df, self.dg_part, b0,
+            dh, h, prob.f_lens, prob.target_lens, prob.offs, self.df, self.dg_part, b0,
             row0, self.max_bc, prob.t_max, prob.u1, prob.hid, t_per_split, BU=self.bu,
             BK=FG_H_TILE, ATOMIC_DF=prob.u1 > self.bu, PACKED=prob.layout.packed,
             STAGES=FG_STAGES,
@@ -709,10 +825,10 @@ class _Gradients:
 
     def results(self, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(df, dg, dW, d bias) times `scale` (a device scalar) in the operands' dtypes, with
-        the dropout gate's 1 / (1 - p) applied to df and dg."""
+        dropout's 1 / (1 - p) applied to df, dg and dW (h holds keep * relu(.) without it)."""
         gate = scale * self.gate_scale
         dbias = self.dbias_chunks.sum(0)
-        grads = (self.df * gate, self.dg * gate, self.dw * scale, dbias * scale)
+        grads = (self.df * gate, self.dg * gate, self.dw * gate, dbias * scale)
         return tuple(x.to(dtype) for x, dtype in zip(grads, self.dtypes, strict=True))
 
 
@@ -785,7 +901,7 @@ class _FusedJointLoss(torch.autograd.Function):
         chunks = prob.chunks(backward=True)
         grads = _Gradients(prob, chunks)
         for chunk in chunks:
-            prob.logits(chunk)
+            prob.logits(chunk, labels=False)
             grads.add(prob, chunk, lattice.lse, posteriors)
         return (*grads.results(go_max), *[None] * 9)
 
@@ -858,7 +974,6 @@ def fused_joint_loss(
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
     if host_lens is not None:
         host_lens = check_host_lens(host_lens, f.shape[0], f.shape[1], g.shape[1] - 1)
-        f_lens, target_lens = to_device([*host_lens[0], *host_lens[1]], f.device).chunk(2)
     one_pass = (
         reduction != "none"
         and torch.is_grad_enabled()

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     # The interpreter is chosen when a kernel is decorated, so set it before the import and
@@ -113,7 +114,15 @@ def test_fused_matches_reference_without_dropout(name, packed, one_pass):
 
 def _layout(lens, t_max, u1, packed):
     host = ([t for t, _ in lens], [u for _, u in lens]) if packed else None
-    return jl._Layout(host, len(lens), t_max, u1, torch.device(DEVICE))
+    return jl._Layout(host, len(lens), t_max, u1)
+
+
+def lattice_rows(x, lens, packed):
+    """(B, T, U+1, ...) lattice values -> one per row of the layout: the whole box, or (packed)
+    each utterance's T_b x (U_b + 1) cells in order."""
+    if not packed:
+        return x.reshape(-1, *x.shape[3:])
+    return torch.cat([x[b, :t, : u + 1].reshape(-1, *x.shape[3:]) for b, (t, u) in enumerate(lens)])
 
 
 @ONE_PASS
@@ -164,8 +173,8 @@ def test_lattice_posteriors_count_every_path_s_blanks_and_labels(packed):
     prob = jl._Problem(unused, unused, unused[0, :2], unused[0, :2, 0], f_lens, torch.zeros(
         bsz, 4, dtype=torch.long, device=DEVICE), target_lens, host, 1, 0.0, 0)  # fmt: skip
     lattice = jl._Lattice(prob)
-    lattice.lp_blank.copy_(prob.layout.rows(lp[..., 1]))
-    lattice.lp_label.copy_(prob.layout.rows(lp[..., 0]))
+    lattice.lp_blank.copy_(lattice_rows(lp[..., 1], lens, packed))
+    lattice.lp_label.copy_(lattice_rows(lp[..., 0], lens, packed))
     # two calls, as the one-pass schedule makes one per chunk of utterances
     for b0, bc in ((0, 2), (2, bsz - 2)):
         lattice.solve(b0, bc)
@@ -194,20 +203,40 @@ def test_lattice_posteriors_count_every_path_s_blanks_and_labels(packed):
 def test_packed_layout_holds_only_lattice_rows_and_groups_whole_utterances():
     lens = [(4, 20), (3, 17), (5, 2), (1, 0)]
     layout = _layout(lens, 5, 21, packed=True)
+    assert layout.packed and layout.n_rows == 154
     assert layout.starts == [0, 84, 138, 153, 154]  # T_b (U_b + 1) rows each
-    want_cells = [
-        (b * 5 + t) * 21 + u for b, (t_len, u_len) in enumerate(lens)
-        for t in range(t_len) for u in range(u_len + 1)
-    ]  # fmt: skip
-    assert layout.cells.tolist() == want_cells
-    lattice = torch.arange(4 * 5 * 21, dtype=torch.float32, device=DEVICE).view(4, 5, 21)
-    rows = layout.rows(lattice)
-    assert rows.tolist() == [float(c) for c in want_cells]
     assert layout.chunks(100) == [(0, 1), (1, 3)]  # 54 + 15 + 1 rows fit in 100
     assert layout.chunks(10) == [(0, 1), (1, 1), (2, 1), (3, 1)]  # oversize: one per chunk
     padded = _layout(lens, 5, 21, packed=False)
-    assert padded.starts == [0, 105, 210, 315, 420]
-    assert torch.equal(padded.rows(lattice), lattice.view(-1))  # every cell is a row
+    assert not padded.packed and padded.starts == [0, 105, 210, 315, 420]
+    full = _layout([(5, 20)] * 4, 5, 21, packed=True)
+    assert not full.packed  # no padding to skip: the padded kernels, which read no offsets
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_hidden_kernel_fills_each_row_s_h_and_target_label(monkeypatch, packed):
+    # The row each lattice cell lands on, in both layouts and across chunks starting mid-batch:
+    # h as `joint_hidden` gives it for the cell, and the target label targets[b, u] clamped to
+    # [0, V) for u < U_b (0 elsewhere), which the stats and d(logits) kernels gather by row.
+    lens = [(4, 3), (2, 0), (3, 4), (1, 1)]
+    leaves, f_lens, targets, target_lens = make_case(lens, 4, 24, 37)
+    targets[0, 1], targets[2, 0] = -5, 99  # out of range: clamped
+    host = ([t for t, _ in lens], [u for _, u in lens]) if packed else None
+    monkeypatch.setattr(jl, "CHUNK_BYTES", 18 * (24 * 4 * 2 + 37 * 4))  # 18 rows per chunk
+    leaves = [x.detach() for x in leaves]
+    prob = jl._Problem(*leaves, f_lens, targets, target_lens, host, 36, 0.3, 5)
+    chunks = prob.chunks(backward=True)
+    assert len(chunks.spans) >= 2  # later chunks start mid-batch
+    rows = torch.zeros(prob.layout.n_rows, 24, device=DEVICE)
+    for chunk in chunks:
+        prob.logits(chunk)
+        rows[chunk.row0 : chunk.row0 + chunk.n] = chunk.h
+    want_h = jl.joint_hidden(*leaves[:2], f_lens, target_lens, 0.3, 5)
+    assert torch.equal(rows, lattice_rows(want_h, lens, packed))
+    u = torch.arange(5, device=DEVICE)
+    want = torch.where(u < target_lens[:, None], F.pad(targets.clamp(0, 36), (0, 1)), 0)
+    want_labels = want[:, None, :].expand(4, 4, 5)
+    assert prob.label_rows.tolist() == lattice_rows(want_labels, lens, packed).tolist()
 
 
 def test_packed_and_padded_rows_give_the_same_loss_with_dropout(monkeypatch):
@@ -285,7 +314,7 @@ def test_fused_matches_reference_with_the_same_dropout_mask(one_pass):
 
 
 def test_dropout_mask_has_the_drop_rate_and_independent_unit_pairs():
-    # One hash serves units 2j and 2j + 1 (its low and high 16 bits): both must be kept at
+    # One hash serves units 2j and 2j + 1 (15 bits of each half): both must be kept at
     # rate 1 - p, and independently of each other and of the neighbouring pair.
     p = 0.3
     keep = jl.dropout_keep_mask(5, 2, 8, 9, 512, p, DEVICE).float()
@@ -298,6 +327,31 @@ def test_dropout_mask_has_the_drop_rate_and_independent_unit_pairs():
     # different cells and utterances draw different masks
     assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
     assert not torch.equal(keep[0, 0, 0], keep[1, 0, 0])
+
+
+def hidden_oracle(f, g, f_lens, target_lens, keep, exact=torch.float32):
+    """keep * relu(f + g) of the padded lattice, 0 past the lengths, the sum taken in `exact`
+    and rounded once to f's dtype."""
+    h = torch.relu(f.to(exact).unsqueeze(2) + g.to(exact).unsqueeze(1)) * keep
+    t = torch.arange(f.shape[1], device=f.device)[:, None]
+    u = torch.arange(g.shape[1], device=f.device)[None, :]
+    inside = (t < f_lens.view(-1, 1, 1)) & (u <= target_lens.view(-1, 1, 1))
+    return (h * inside.unsqueeze(-1)).to(f.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_hidden_rows_are_the_masked_relu_of_f_plus_g(dtype):
+    # what the GEMMs read: keep * relu(f + g) exactly (1 / (1 - p) is applied later in fp32),
+    # and zero rows past each utterance's lengths (garbage padding included)
+    (f, g, *_), f_lens, _, target_lens = make_case(**CASES["ragged"], dtype=dtype)
+    f, g = f.detach(), g.detach()
+    p, seed = 0.3, 77
+    keep = jl.dropout_keep_mask(seed, *f.shape[:2], g.shape[1], f.shape[2], p, DEVICE)
+    h = jl.joint_hidden(f, g, f_lens, target_lens, p, seed, packed_math=False)
+    assert torch.equal(h, hidden_oracle(f, g, f_lens, target_lens, keep))
+    assert (h == 0).float().mean() > 0.5  # dropped, negative and padded units all appear
+    no_dropout = jl.joint_hidden(f, g, f_lens, target_lens, 0.0, seed, packed_math=False)
+    assert torch.equal(no_dropout, hidden_oracle(f, g, f_lens, target_lens, 1.0))
 
 
 def test_dropout_is_reproducible_from_the_seed():
@@ -392,6 +446,23 @@ def test_gpu_dropout_matches_reference_with_the_same_mask():
     leaves, *rest = case = make_case(random_lens(4, 30, 10, 2), 10, 512, 1024)
     keep = jl.dropout_keep_mask(seed, 4, 30, 11, 512, p, DEVICE)
     assert_matches(fused(*case, p=p, seed=seed), reference(*case, keep=keep, p=p), rel=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_packed_half_precision_hidden_rows_are_exact(dtype, p):
+    # The inline-assembly path (pairs of units in packed math, the mask by one subtraction):
+    # the same mask as `_keep`, and the sum rounded once (the fp64 sum of two half-precision
+    # numbers is exact).
+    lens = random_lens(5, 40, 12, 4)
+    (f, g, *_), f_lens, _, target_lens = make_case(lens, 12, 512, 1024, dtype=dtype, seed=4)
+    f, g = f.detach(), g.detach()
+    keep = jl.dropout_keep_mask(11, *f.shape[:2], g.shape[1], 512, p, DEVICE)
+    h = jl.joint_hidden(f, g, f_lens, target_lens, p, 11)
+    assert torch.equal(h, hidden_oracle(f, g, f_lens, target_lens, keep, exact=torch.float64))
+    fp32_math = jl.joint_hidden(f, g, f_lens, target_lens, p, 11, packed_math=False)
+    assert torch.equal(h != 0, fp32_math != 0)
 
 
 @pytest.mark.gpu
