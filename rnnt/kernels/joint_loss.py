@@ -33,9 +33,9 @@ four GEMMs. All row-wise kernels read and write per-row vectors, so none of thei
 on another, and all lattice values are addressed by row (no (B, T, U+1) copies).
 
 Measured on one H200 (fp16, dropout 0.3, torch 2.11, Triton 3.6), forward + backward of the
-mean: (B, T, U) = (192, 204, 44) 13.1-13.2 ms over three runs and 1.17 GiB extra (the two-pass
+mean: (B, T, U) = (192, 204, 44) 13.3-13.4 ms over three runs and 1.19 GiB extra (the two-pass
 schedule: 17.3 ms, 1.27 GiB; torchaudio's padded joint + loss: 67 ms, 11 GiB); a
-LibriSpeech-shaped ragged batch of 192, packed, 20.2-20.3 ms (27.0 two-pass). Where the kernel
+LibriSpeech-shaped ragged batch of 192, packed, 20.7-20.8 ms (27.0 two-pass). Where the kernel
 time goes, and the fused designs measured slower (logits held in registers, GEMMs with the
 softmax in their epilogues, d(logits) in a GEMM prologue, L2-sized sub-chunks), are in
 docs/PERFORMANCE.md.
@@ -123,19 +123,20 @@ def _keep(seed, b, t, u, U1, H, drop_thr, HP: tl.constexpr):
 
 @triton.jit
 def _logaddexp(a, b, HW_LOG2: tl.constexpr):
-    """log(e^a + e^b) = max + ln 2 log2(1 + 2^(-|a - b| log2 e)): one exp2 and one log2 on the
+    """log(e^a + e^b) = max + ln 2 log2(1 + 2^(-|a - b| log2 e)) of fp64 a, b: the max and the
+    sum in fp64, the correction (in [0, ln 2]) in fp32 with one exp2 and one log2 on the
     lattice walk's critical path. HW_LOG2: the log2 as the MUFU instruction (its argument is in
     [1, 2], where it is good to 2^-22), not libdevice's polynomial, which is some 20 dependent
     FMAs; the interpreter cannot run the inline assembly."""
     top = tl.maximum(a, b)
-    x = 1.0 + tl.exp2(-tl.abs(a - b) * _LOG2E)
+    x = 1.0 + tl.exp2(-tl.abs(a - b).to(tl.float32) * _LOG2E)
     if HW_LOG2:
         lg = tl.inline_asm_elementwise(
             "lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
         )
     else:
         lg = tl.log2(x)
-    return top + _LN2 * lg
+    return top + lg.to(tl.float64) * _LN2
 
 
 @triton.jit
@@ -177,10 +178,14 @@ def _lattice_kernel(
     registers and the neighbour on the previous diagonal is a lane shift (`tl.gather`), so the
     only memory traffic of the sequential walk are the two transition log-probabilities per
     cell, loaded one diagonal ahead of their use. Only cells inside the lattice are written.
-    The walk is bound by latency: with the log2 as one instruction (`_logaddexp`) seven chunks
-    at (192, 204, 44) take 0.37 ms instead of 0.49, and the ragged LibriSpeech batch's eleven
-    1.76 ms instead of 2.89 (H200); loading two diagonals ahead, or pipelining the loads with
-    `tl.range` stages (2, 3, 4, 6), was slower at (192, 204, 44).
+    alpha and beta are summed in fp64: in fp32 their rounding (a few 1e-5 at -log P ~ 700)
+    became 1.5e-4 relative errors in the posteriors exp(alpha + lp + beta - log P) and so in
+    the gradients; in fp64 they are within 4e-6 of an fp64 reference.
+    The walk is bound by latency. The log2 as one instruction (`_logaddexp`) took the fp32
+    walk of seven chunks at (192, 204, 44) from 0.49 to 0.37 ms, and of the ragged LibriSpeech
+    batch's eleven from 2.89 to 1.76 ms (H200); the fp64 sums then cost 14 % and 23 % (kernel
+    time in the profile: 0.59 -> 0.67 ms, 1.76 -> 2.17 ms). Loading two diagonals ahead, or
+    pipelining the loads with `tl.range` stages (2, 3, 4, 6), was slower at (192, 204, 44).
     """
     b = b0 + tl.program_id(0)
     t_len = tl.load(flen_ptr + b)
@@ -192,7 +197,7 @@ def _lattice_kernel(
         # alpha[t, u] = logaddexp(alpha[t-1, u] + lp_blank[t-1, u],
         #                         alpha[t, u-1] + lp_label[t, u-1]), diagonals 1, 2, ...
         left = tl.maximum(u - 1, 0)
-        alpha = tl.where(u == 0, 0.0, _KNEG)
+        alpha = tl.where(u == 0, 0.0, _KNEG).to(tl.float64)
         tl.store(alpha_ptr + first + u, alpha, mask=u == 0)
         ok, row, lpb, lpl = _diagonal(lpb_ptr, lpl_ptr, first, stride, 1, t_len, u_len,
                                       BLOCK_U, True)  # fmt: skip
@@ -207,7 +212,7 @@ def _lattice_kernel(
         # diagonals n_diag - 1 down to 0; leaving by the final blank from (T_b - 1, U_b) has
         # probability one, and beta[0, 0] = log P
         right = tl.minimum(u + 1, BLOCK_U - 1)
-        beta = tl.where(u == u_len, 0.0, _KNEG)
+        beta = tl.where(u == u_len, 0.0, _KNEG).to(tl.float64)
         ok, row, lpb, lpl = _diagonal(lpb_ptr, lpl_ptr, first, stride, n_diag - 1, t_len, u_len,
                                       BLOCK_U, False)  # fmt: skip
         for i in range(0, n_diag):
@@ -251,8 +256,9 @@ def _posteriors_kernel(
     emit = tl.load(beta_ptr + row + 1, mask=ok_emit, other=_KNEG)
     emit += tl.load(lpl_ptr + row, mask=ok_emit, other=0.0)
     log_lik = tl.load(ll_ptr + b)
-    w_blank = tl.where(ok, tl.exp(alpha + stay - log_lik), 0.0)
-    w_label = tl.where(ok_emit, tl.exp(alpha + emit - log_lik), 0.0)
+    # the fp64 sum is O(1): only then is it rounded for the exponential
+    w_blank = tl.where(ok, tl.exp((alpha + stay - log_lik).to(tl.float32)), 0.0)
+    w_label = tl.where(ok_emit, tl.exp((alpha + emit - log_lik).to(tl.float32)), 0.0)
     if WEIGHTED:
         weight = tl.load(weight_ptr + b)
         w_blank *= weight
@@ -737,15 +743,17 @@ class _Problem:
 
 
 class _Lattice:
-    """Per-row lattice values of a batch (fp32, one per row of the layout): log-sum-exp,
-    transition log-probabilities, alpha, beta and the transition posteriors; log P per
-    utterance."""
+    """Per-row lattice values of a batch (one per row of the layout): log-sum-exp, transition
+    log-probabilities and posteriors (fp32), alpha and beta (fp64); log P per utterance (fp64).
+    """
 
     def __init__(self, prob: _Problem):
         self.prob = prob
-        (self.lse, self.lp_blank, self.lp_label, self.alpha, self.beta, self.occ, self.w_blank,
-         self.w_label) = torch.empty(8, prob.layout.n_rows, device=prob.dev)  # fmt: skip
-        self.log_lik = torch.empty(prob.bsz, dtype=torch.float32, device=prob.dev)
+        rows, dev = prob.layout.n_rows, prob.dev
+        (self.lse, self.lp_blank, self.lp_label, self.occ, self.w_blank,
+         self.w_label) = torch.empty(6, rows, device=dev)  # fmt: skip
+        self.alpha, self.beta = torch.empty(2, rows, dtype=torch.float64, device=dev)
+        self.log_lik = torch.empty(prob.bsz, dtype=torch.float64, device=dev)
         self.block_u = max(16, triton.next_power_of_2(prob.u1))
 
     def solve(self, b0: int, bc: int) -> None:
@@ -871,7 +879,7 @@ class _FusedJointLoss(torch.autograd.Function):
             grads.drop_scratch()
         if not one_pass:
             lattice.solve(0, prob.bsz)
-        nll = -lattice.log_lik
+        nll = -lattice.log_lik.float()
         ctx.reduction, ctx.bsz = reduction, prob.bsz
         if one_pass:
             ctx.grads = grads

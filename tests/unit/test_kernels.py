@@ -46,9 +46,11 @@ def make_case(lens, u_max, hid, vocab, dtype=torch.float32, seed=0, device=DEVIC
     return leaves, f_lens.to(device), targets.to(device), target_lens.to(device)
 
 
-def reference(leaves, f_lens, targets, target_lens, keep=None, p=0.0):
-    """Per-utterance loss and grads (f, g, W, bias) of the plain joint + reference loss, fp32."""
-    f, g, weight, bias = (x.detach().float().requires_grad_(True) for x in leaves)
+def reference(leaves, f_lens, targets, target_lens, keep=None, p=0.0, exact=False):
+    """Per-utterance loss and grads (f, g, W, bias) of the plain joint + reference loss, fp32
+    (fp64 if `exact`)."""
+    dtype = torch.float64 if exact else torch.float32
+    f, g, weight, bias = (x.detach().to(dtype).requires_grad_(True) for x in leaves)
     h = torch.relu(f.unsqueeze(2) + g.unsqueeze(1))
     if keep is not None:
         h = h * keep / (1 - p)
@@ -184,7 +186,7 @@ def test_lattice_posteriors_count_every_path_s_blanks_and_labels(packed):
     ref = rnnt_loss_reference(
         logits, torch.zeros(bsz, 4, dtype=torch.long), f_lens.long(), target_lens.long(), blank=1
     )
-    assert torch.allclose(-lattice.log_lik.cpu(), ref, rtol=1e-5)
+    assert torch.allclose(-lattice.log_lik.cpu().float(), ref, rtol=1e-5)
     starts = prob.layout.starts
     for b, (t_len, u_len) in enumerate(lens):
         rows = slice(starts[b], starts[b + 1])
@@ -439,18 +441,13 @@ def test_gpu_one_pass_over_many_chunks_matches_the_reference(monkeypatch, packed
     assert_matches(fused(*case, packed=packed, one_pass=True), reference(*case), rel=1e-4)
 
 
-LONG_LATTICE_GAP = (
-    "known gap: at T = 60, U = 20 the fused fp32 gradient of f is 1.5e-4 from an fp64 reference "
-    "(the fp32 reference: 4e-5); the lattice walks alpha and beta in fp32 log space, and -log P "
-    "reaches 700 here"
-)
-
-
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason=LONG_LATTICE_GAP)
-def test_gpu_fp32_longer_lattices_match_the_reference():
+def test_gpu_fp32_long_lattices_within_1e5_of_an_fp64_reference():
+    # -log P reaches 700 here: alpha and beta walked in fp32 put 1.5e-4 relative errors into
+    # the posteriors exp(alpha + lp + beta - log P) (the fp32 reference itself is 4e-5 off);
+    # walked in fp64 the gradients are within 4e-6
     case = make_case(random_lens(48, 60, 20, 5), 20, 512, 1024, seed=5)
-    assert_matches(fused(*case, packed=True, one_pass=True), reference(*case), rel=1e-4)
+    assert_matches(fused(*case, packed=True, one_pass=True), reference(*case, exact=True), 1e-5)
 
 
 @pytest.mark.gpu
