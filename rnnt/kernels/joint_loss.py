@@ -33,9 +33,9 @@ four GEMMs. All row-wise kernels read and write per-row vectors, so none of thei
 on another, and all lattice values are addressed by row (no (B, T, U+1) copies).
 
 Measured on one H200 (fp16, dropout 0.3, torch 2.11, Triton 3.6), forward + backward of the
-mean: (B, T, U) = (192, 204, 44) 13.3-13.4 ms over three runs and 1.19 GiB extra (the two-pass
-schedule: 17.3 ms, 1.27 GiB; torchaudio's padded joint + loss: 67 ms, 11 GiB); a
-LibriSpeech-shaped ragged batch of 192, packed, 20.7-20.8 ms (27.0 two-pass). Where the kernel
+mean: (B, T, U) = (192, 204, 44) 12.9-13.1 ms over three runs and 1.68 GiB extra (the two-pass
+schedule, with 1 GiB chunks: 17.3 ms, 1.27 GiB; torchaudio's padded joint + loss: 67 ms, 11
+GiB); a LibriSpeech-shaped ragged batch of 192, packed, 19.6-19.8 ms. Where the kernel
 time goes, and the fused designs measured slower (logits held in registers, GEMMs with the
 softmax in their epilogues, d(logits) in a GEMM prologue, L2-sized sub-chunks), are in
 docs/PERFORMANCE.md.
@@ -67,10 +67,13 @@ _KNEG = tl.constexpr(_NEG)  # the same, readable inside kernels
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 
-# Bytes of h, logits and dh per chunk of utterances. 1 GiB keeps the extra memory of a step at
-# (192, 204, 44) fp16 near 1.2 GiB while each GEMM is still ~250k rows (full tensor-core speed;
-# 512 MiB measured 10% slower, 2 GiB 3% faster at twice the memory, two-pass schedule).
-CHUNK_BYTES = 1 << 30
+# Bytes of h, logits and dh per chunk of utterances. Each chunk walks its lattice after its
+# stats, at a latency-bound cost per chunk, so fewer chunks are faster; 1.5 GiB keeps the extra
+# memory of a step at (192, 204, 44) fp16 at 1.65 GiB (issue 7 allows 2 GB). Synchronized
+# calls on an H200, (192, 204, 44) / ragged LibriSpeech batch of 192: 1 GiB 13.4-13.6 /
+# 21.0-21.1 ms, 1.25 GiB 13.3-13.5 / 20.3, 1.5 GiB 13.1-13.2 / 19.9-20.0, 1.625 GiB 13.1-13.2 /
+# 20.2-20.5 (two runs).
+CHUNK_BYTES = 3 << 29
 # Launch shapes of the memory-bound kernels (swept on an H200, fp16, at (192, 204, 44) and on
 # a ragged LibriSpeech batch of 192; these are the fastest on both).
 # The row-wise kernels take blocks of whole rows (classes padded to BN >= V): (elements per
