@@ -306,19 +306,27 @@ def _chunk_row(b, t, u, u_len, pid, offs_ptr, row0, T, U1, PACKED: tl.constexpr)
 _ASM_GATE = """{
 .reg .b32 s, y, z;
 mov.b32 z, 0;
-add.rn.{ty}x2 s, $1, $2;
+{add}
 max.{ty}x2 s, s, z;
 or.b32 y, $3, 0x80008000;
 sub.u32 y, y, $5;
 prmt.b32 y, y, y, 0xBB99;
 and.b32 $0, s, y;
 }"""
+# f + g: add.bf16x2 needs sm_90, so bf16 takes an fma by 1.0 (exact, then rounded once, as the
+# add), which sm_80 has; max.{f16,bf16}x2 need sm_80.
+_ASM_ADD = {
+    torch.float16: ("f16", "add.rn.f16x2 s, $1, $2;"),
+    torch.bfloat16: ("bf16", "mov.b32 y, 0x3F803F80;\nfma.rn.bf16x2 s, $1, y, $2;"),
+}
 
 
-def _gate_asm(dtype: torch.dtype) -> str:
-    """`_ASM_GATE` for a half-precision dtype, "" for the others (fp32 math)."""
-    ty = {torch.float16: "f16", torch.bfloat16: "bf16"}.get(dtype)
-    return _ASM_GATE.replace("{ty}", ty) if ty else ""
+def _gate_asm(dtype: torch.dtype, device: torch.device) -> str:
+    """`_ASM_GATE` for a half-precision dtype on an sm_80+ GPU, "" otherwise (fp32 math)."""
+    if dtype not in _ASM_ADD or torch.cuda.get_device_capability(device) < (8, 0):
+        return ""
+    ty, add = _ASM_ADD[dtype]
+    return _ASM_GATE.replace("{add}", add).replace("{ty}", ty)
 
 
 @triton.jit
@@ -574,7 +582,8 @@ def joint_hidden(f, g, f_lens, target_lens, p: float, seed: int, packed_math: bo
     _hidden_kernel[(bsz * t_max, triton.cdiv(u1, HIDDEN_U_TILE))](
         f.contiguous(), g.contiguous(), *lens, unused, out, unused, 0, unused, 0, 0, t_max, u1,
         hid, 1, seed, _threshold(p), BU=HIDDEN_U_TILE, HP=_hp(hid), DROPOUT=p > 0, PACKED=False,
-        GATE_ASM=_gate_asm(f.dtype) if packed_math and _compiled(f.device) else "", LABELS=False,
+        GATE_ASM=_gate_asm(f.dtype, f.device) if packed_math and _compiled(f.device) else "",
+        LABELS=False,
         num_warps=HIDDEN_WARPS,
     )  # fmt: skip
     return out
@@ -691,7 +700,7 @@ class _Problem:
         self.gate_scale = 1.0 / (1.0 - p_drop) if self.has_dropout else 1.0
         self.dropout = (seed, _threshold(p_drop))  # the hidden kernel's args
         self.compiled = _compiled(self.dev)  # not the interpreter: inline assembly allowed
-        self.gate_asm = _gate_asm(f.dtype) if self.compiled else ""
+        self.gate_asm = _gate_asm(f.dtype, self.dev) if self.compiled else ""
         self.layout = layout = _Layout(host_lens, self.bsz, self.t_max, self.u1)
         if layout.n_rows >= 2**31:
             raise ValueError(
@@ -981,6 +990,13 @@ def fused_joint_loss(
         )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
+    bsz, u1 = g.shape[0], g.shape[1]
+    if targets.shape != (bsz, u1 - 1):
+        # the kernels read targets[b, u] for u < U_b without bounds of their own
+        raise ValueError(
+            f"targets must be (B, U) = ({bsz}, {u1 - 1}) for g of shape {tuple(g.shape)}, got "
+            f"{tuple(targets.shape)}"
+        )
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
     if host_lens is not None:

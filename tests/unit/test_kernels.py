@@ -390,12 +390,15 @@ def test_fused_on_cpu_tensors_without_the_interpreter_names_the_cpu_backend(monk
         jl.fused_joint_loss(*leaves, f_lens, targets, target_lens, blank=9)
 
 
-def test_fused_rejects_mixed_dtypes_and_bad_dropout():
+def test_fused_rejects_mixed_dtypes_bad_dropout_and_short_targets():
     leaves, f_lens, targets, target_lens = make_case(**CASES["edges"])
     with pytest.raises(TypeError, match="one dtype"):
         jl.fused_joint_loss(leaves[0].double(), *leaves[1:], f_lens, targets, target_lens, blank=9)
     with pytest.raises(ValueError, match="dropout probability"):
         jl.fused_joint_loss(*leaves, f_lens, targets, target_lens, blank=9, dropout_p=1.0)
+    # the kernels read targets[b, u] for u < U_b: a narrower targets tensor must not get there
+    with pytest.raises(ValueError, match=r"targets must be \(B, U\) = \(3, 1\)"):
+        jl.fused_joint_loss(*leaves, f_lens, targets[:, :0], target_lens, blank=9)
 
 
 # --------------------------------------------------------------------------------------------
