@@ -53,6 +53,7 @@ Runs on CUDA tensors, and on CPU tensors under the Triton interpreter (TRITON_IN
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import NamedTuple
 
@@ -614,10 +615,8 @@ class _Layout:
             sizes = [t * (u + 1) for t, u in zip(*host_lens, strict=True)]
         # Without padding the packed rows are the padded ones, whose kernels skip the row
         # tables and the lengths' loads (measured 0.8 ms faster at (192, 204, 44)).
-        self.packed = sum(sizes) < bsz * t_max * u1
-        self.starts = [0]
-        for n in sizes:
-            self.starts.append(self.starts[-1] + n)
+        self.starts = [0, *itertools.accumulate(sizes)]  # C loop: this runs before any launch
+        self.packed = self.starts[-1] < bsz * t_max * u1
 
     @property
     def n_rows(self) -> int:
