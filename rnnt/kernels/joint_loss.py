@@ -34,11 +34,11 @@ on another, and all lattice values are addressed by row (no (B, T, U+1) copies).
 
 Measured on one H200 (fp16, dropout 0.3, torch 2.11, Triton 3.6), forward + backward of the
 mean: (B, T, U) = (192, 204, 44) 12.9-13.1 ms over three runs and 1.68 GiB extra (the two-pass
-schedule, with 1 GiB chunks: 17.3 ms, 1.27 GiB; torchaudio's padded joint + loss: 67 ms, 11
-GiB); a LibriSpeech-shaped ragged batch of 192, packed, 19.6-19.8 ms. Where the kernel
-time goes, and the fused designs measured slower (logits held in registers, GEMMs with the
-softmax in their epilogues, d(logits) in a GEMM prologue, L2-sized sub-chunks), are in
-docs/PERFORMANCE.md.
+schedule, measured with earlier kernels and 1 GiB chunks: 17.3 ms, 1.27 GiB; torchaudio's
+padded joint + loss: 67 ms, 11 GiB); a LibriSpeech-shaped ragged batch of 192, packed,
+19.6-19.8 ms. Where the kernel time goes, and the fused designs measured slower (logits held
+in registers, GEMMs with the softmax in their epilogues, d(logits) in a GEMM prologue, L2-sized
+sub-chunks, lattices on a side stream), are in docs/PERFORMANCE.md.
 
 Row layouts: without host lengths the rows are the padded (B, T_max, U_max + 1) box (rows past
 T_b or U_b are zeros, computed anyway). With `host_lens` (the input pipeline knows the lengths on
@@ -53,6 +53,7 @@ Runs on CUDA tensors, and on CPU tensors under the Triton interpreter (TRITON_IN
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from typing import NamedTuple
@@ -70,7 +71,7 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 # Bytes of h, logits and dh per chunk of utterances. Each chunk walks its lattice after its
 # stats, at a latency-bound cost per chunk, so fewer chunks are faster; 1.5 GiB keeps the extra
-# memory of a step at (192, 204, 44) fp16 at 1.65 GiB (issue 7 allows 2 GB). Synchronized
+# memory of a step at (192, 204, 44) fp16 at 1.68 GiB (issue 7 allows 2 GB). Synchronized
 # calls on an H200, (192, 204, 44) / ragged LibriSpeech batch of 192: 1 GiB 13.4-13.6 /
 # 21.0-21.1 ms, 1.25 GiB 13.3-13.5 / 20.3, 1.5 GiB 13.1-13.2 / 19.9-20.0, 1.625 GiB 13.1-13.2 /
 # 20.2-20.5 (two runs).
@@ -322,6 +323,7 @@ _ASM_ADD = {
 }
 
 
+@functools.cache  # it runs before every call's first launch
 def _gate_asm(dtype: torch.dtype, device: torch.device) -> str:
     """`_ASM_GATE` for a half-precision dtype on an sm_80+ GPU, "" otherwise (fp32 math)."""
     if dtype not in _ASM_ADD or torch.cuda.get_device_capability(device) < (8, 0):
@@ -584,8 +586,7 @@ def joint_hidden(f, g, f_lens, target_lens, p: float, seed: int, packed_math: bo
         f.contiguous(), g.contiguous(), *lens, unused, out, unused, 0, unused, 0, 0, t_max, u1,
         hid, 1, seed, _threshold(p), BU=HIDDEN_U_TILE, HP=_hp(hid), DROPOUT=p > 0, PACKED=False,
         GATE_ASM=_gate_asm(f.dtype, f.device) if packed_math and _compiled(f.device) else "",
-        LABELS=False,
-        num_warps=HIDDEN_WARPS,
+        LABELS=False, num_warps=HIDDEN_WARPS,
     )  # fmt: skip
     return out
 
@@ -709,15 +710,16 @@ class _Problem:
         if host_lens is None:
             self.f_lens = f_lens.to(self.dev, torch.int32).contiguous()
             self.target_lens = target_lens.to(self.dev, torch.int32).contiguous()
+            self.offs = self.f_lens  # never packed: the kernels never read the offsets
         else:
             # one host-to-device copy for the lengths and the row offsets (each costs host time
             # before the first launch, and the GPU waits for that)
             host = [*host_lens[0], *host_lens[1], *(layout.starts if layout.packed else [])]
             lens = to_device(host, self.dev)
             self.f_lens, self.target_lens = lens[: self.bsz], lens[self.bsz : 2 * self.bsz]
-        # int32 row offsets (B + 1,) of the packed layout; the padded layout's kernels never
-        # read them, and get any int32 pointer
-        self.offs = lens[2 * self.bsz :] if layout.packed else self.f_lens
+            # int32 row offsets (B + 1,) of the packed layout; the padded layout's kernels never
+            # read them, and get any int32 pointer
+            self.offs = lens[2 * self.bsz :] if layout.packed else self.f_lens
         self.label_rows = torch.empty(layout.n_rows, dtype=torch.int32, device=self.dev)
 
     def chunks(self, backward: bool) -> _Chunks:
