@@ -37,9 +37,11 @@ mean: (B, T, U) = (192, 204, 44) 12.9-13.1 ms over three runs and 1.68 GiB extra
 schedule, measured with earlier kernels and 1 GiB chunks: 17.3 ms, 1.27 GiB; torchaudio's
 padded joint + loss: 67 ms, 11 GiB); a LibriSpeech-shaped ragged batch of 192, packed,
 19.6-19.8 ms. Where the kernel time goes, and the fused designs measured slower (logits held
-in registers, GEMMs with the softmax in their epilogues (warp-specialized too), the softmax
-written in place of the logits, d(logits) in a GEMM prologue, L2-sized sub-chunks, lattices on
-a side stream), are in docs/PERFORMANCE.md.
+in registers, Triton GEMMs with the softmax in their epilogues (warp-specialized too), the
+softmax written in place of the logits, d(logits) in a GEMM prologue, L2-sized sub-chunks,
+lattices or all the memory-bound kernels on a side stream), are in docs/PERFORMANCE.md, with
+the one faster design found, a CUDA C++ prototype not built here yet: a GEMM whose softmax
+epilogue overlaps the other warp group's MMAs (12.4 ms at (192, 204, 44)).
 
 Row layouts: without host lengths the rows are the padded (B, T_max, U_max + 1) box (rows past
 T_b or U_b are zeros, computed anyway). With `host_lens` (the input pipeline knows the lengths on
