@@ -41,7 +41,7 @@ in registers, Triton GEMMs with the softmax in their epilogues (warp-specialized
 softmax written in place of the logits, d(logits) in a GEMM prologue, L2-sized sub-chunks,
 lattices or all the memory-bound kernels on a side stream), are in docs/PERFORMANCE.md, with
 the one faster design found, a CUDA C++ prototype not built here yet: a GEMM whose softmax
-epilogue overlaps the other warp group's MMAs (12.4 ms at (192, 204, 44)).
+epilogue overlaps the other warp group's MMAs (12.4-12.6 ms at (192, 204, 44)).
 
 Row layouts: without host lengths the rows are the padded (B, T_max, U_max + 1) box (rows past
 T_b or U_b are zeros, computed anyway). With `host_lens` (the input pipeline knows the lengths on
