@@ -14,3 +14,7 @@ WORKDIR /workspace/rnnt
 COPY requirements.txt .
 RUN pip install --no-cache-dir -r requirements.txt nvidia-dali-cuda130
 COPY . .
+# The fused loss's Hopper logits GEMM (rnnt/kernels/csrc), built now with the image's nvcc so
+# no rank compiles it at start-up (building needs no GPU).
+ENV RNNT_KERNEL_CACHE=/opt/rnnt-kernels
+RUN python3 -c "from rnnt.kernels import logits_gemm; print(logits_gemm.library())"

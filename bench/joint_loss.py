@@ -1,6 +1,7 @@
 """Joint network + RNN-T loss, forward and backward: time and peak extra memory per backend.
 
-    python bench/joint_loss.py [--backends torchaudio reference fused fused-packed] [--dtype fp16]
+    python bench/joint_loss.py [--backends torchaudio reference fused fused-packed:cublas
+                               fused-packed] [--dtype fp16]
                                [--repeats 10] [--json results/bench_joint_loss.json]
 
 Shapes (B, T, U) with T in encoder frames (after stack time): the typical MLPerf batch
@@ -15,7 +16,9 @@ run. Times are medians over `--repeats` of CUDA-event timings of loss + backward
 W, bias get gradients); memory is the peak allocated during those steps minus what was allocated
 before (inputs, weights). The joint is in training mode (dropout 0.3) for every backend.
 `fused` computes the padded (B, T_max, U_max + 1) box; `fused-packed` is the same backend given
-the lengths on the host (as the trainer does), so it computes only the lattice cells. `apex`
+the lengths on the host (as the trainer does), so it computes only the lattice cells. A
+`:cublas` or `:sm90` suffix picks the fused backend's logits GEMM (`loss.fused_gemm`; 'auto'
+without one: the sm90 kernel on Hopper GPUs, reported in the `gemm` column). `apex`
 (NVIDIA's transducer joint + loss, packed; needs apex built with its transducer extensions) is
 given the host lengths too.
 """
@@ -93,8 +96,10 @@ def run_one(
     targets = torch.randint(0, cfg.blank_idx, (bsz, u_max), device=dev)
     # fused-packed: the fused backend given the lengths on the host (as the trainer does), so
     # it computes only the sum_b T_b (U_b + 1) lattice rows; plain fused computes the box.
+    backend, _, gemm = backend.partition(":")
     packed = backend == "fused-packed"
-    loss_fn = TransducerLoss("fused" if packed else backend, cfg.blank_idx)
+    loss_fn = TransducerLoss("fused" if packed else backend, cfg.blank_idx, gemm or "auto")
+    sm90 = loss_fn.prepare(joint)
     # apex packs either way; host lengths spare it the host sync that sizes its packing
     host = packed or backend == "apex"
     host_lens = ([t for t, _ in lens], [u for _, u in lens]) if host else None
@@ -127,6 +132,7 @@ def run_one(
         "min_ms": times[0],
         "extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
         "loss": float(loss),
+        "gemm": "sm90" if sm90 else "cublas" if backend.startswith("fused") else "-",
         "lattice_cells": lattice,
         "padded_logits": bsz * t_max * (u_max + 1) * cfg.n_classes,
         "B": bsz,
@@ -151,7 +157,9 @@ def worker(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--backends", nargs="+", default=["torchaudio", "reference", "fused", "fused-packed"]
+        "--backends",
+        nargs="+",
+        default=["torchaudio", "reference", "fused", "fused-packed:cublas", "fused-packed"],
     )
     parser.add_argument("--shapes", nargs="+", default=[*FIXED_SHAPES, RAGGED])
     parser.add_argument("--dtype", choices=DTYPES, default="fp16")
@@ -197,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             print(_format_row(row), flush=True)
 
     print()
-    print(f"{'shape':<24} {'backend':<13} {'median ms':>10} {'extra GiB':>10}  status")
+    print(f"{'shape':<24} {'backend':<20} {'gemm':<7} {'median ms':>10} {'extra GiB':>10}  status")
     for row in rows:
         print(_format_row(row))
     out = Path(args.json)
@@ -216,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _format_row(row: dict) -> str:
     if row.get("status") == "ok":
-        return (f"{row['shape']:<24} {row['backend']:<13} {row['median_ms']:>10.2f} "
-                f"{row['extra_gib']:>10.3f}  ok")  # fmt: skip
-    return f"{row['shape']:<24} {row['backend']:<13} {'-':>10} {'-':>10}  {row['error']}"
+        return (f"{row['shape']:<24} {row['backend']:<20} {row['gemm']:<7} "
+                f"{row['median_ms']:>10.2f} {row['extra_gib']:>10.3f}  ok")  # fmt: skip
+    return (f"{row['shape']:<24} {row['backend']:<20} {'-':<7} {'-':>10} {'-':>10}  "
+            f"{row['error']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ class StepRunner:
         lr: float = 1e-3,
         ema_decay: float = 0.99,
         init_loss_scale: float = 512.0,
+        fused_gemm: str = "auto",
     ) -> None:
         param = next(model.parameters())
         self.model = model.train()
@@ -78,7 +79,8 @@ class StepRunner:
         self.scaler = torch.amp.GradScaler(
             param.device.type, init_scale=init_loss_scale, enabled=param.dtype == torch.float16
         )
-        self.loss_fn = TransducerLoss(loss_backend, model.blank_idx)
+        self.loss_fn = TransducerLoss(loss_backend, model.blank_idx, fused_gemm)
+        self.sm90_logits = self.loss_fn.prepare(model.joint)
         self.graphs = None
         if num_cg > 0:
             self.graphs = TrainingGraphs(
@@ -261,6 +263,7 @@ def bench_one(cfg: Config, args, batch_size: int, num_cg: int, peak: float) -> d
         max_feat_len=max_spliced_frames(longest, cfg.features),
         max_token_len=max(len(t) for t in source.tokens),
         num_cg=num_cg,
+        fused_gemm=cfg.loss.fused_gemm,
     )
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -293,6 +296,7 @@ def bench_one(cfg: Config, args, batch_size: int, num_cg: int, peak: float) -> d
         "batch_size": batch_size,
         "num_cg": num_cg,
         "packed_loss": not args.padded_loss,
+        "sm90_logits_gemm": runner.sm90_logits,
         "steps": len(step_ms),
         "median_step_ms": median,
         "utts_per_s": batch_size / (median * 1e-3),
@@ -423,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__,
             "loss_backend": args.loss_backend,
+            "fused_gemm": cfg.loss.fused_gemm,
             "lengths_tsv": args.lengths_tsv,
             "matmul_peak_tflops": peak / 1e12,
         }

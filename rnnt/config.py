@@ -102,6 +102,7 @@ class DataConfig:
 @dataclass
 class LossConfig:
     backend: str = "reference"  # reference | torchaudio | fused | apex
+    fused_gemm: str = "auto"  # auto | cublas | sm90: the fused backend's logits GEMM
 
 
 @dataclass

@@ -12,7 +12,9 @@ logits. Backends:
     torchaudio  Joint(f, g), then torchaudio.functional.rnnt_loss (needs torchaudio). Its CUDA
                 kernel returned 0 for utterances with T = 1 or U = 0 in our tests (torchaudio
                 2.11), where its CPU kernel and the reference agree: avoid it for such data.
-    fused       Triton joint+loss of `rnnt.kernels` (needs a CUDA device and Triton).
+    fused       Triton joint+loss of `rnnt.kernels` (needs a CUDA device and Triton). Its
+                logits GEMM is `loss.fused_gemm`: auto (a CUDA C++ kernel built with nvcc on
+                Hopper GPUs, else cuBLAS), cublas, or sm90 (that kernel or an error).
     apex        apex.contrib.transducer TransducerJoint (packed, ReLU + dropout) + fc +
                 TransducerLoss (packed input); needs apex built with its transducer extension.
 """
@@ -155,15 +157,23 @@ class TransducerLoss:
     backend then computes only the sum_b T_b (U_b + 1) lattice rows instead of the padded
     B T (U+1) box, and apex sizes its packed joint from them instead of reading the device
     lengths (a host sync). reference and torchaudio ignore them.
+
+    `fused_gemm` picks the fused backend's logits GEMM (rnnt.kernels.logits_gemm.GEMMS).
     """
 
-    def __init__(self, backend: str, blank_idx: int) -> None:
+    def __init__(self, backend: str, blank_idx: int, fused_gemm: str = "auto") -> None:
         if backend not in BACKENDS:
             raise ConfigError(
                 f"loss.backend: unknown backend '{backend}' (choose one of {', '.join(BACKENDS)})"
             )
+        if backend != "fused" and fused_gemm != "auto":
+            raise ConfigError(
+                f"loss.fused_gemm: '{fused_gemm}' applies to loss.backend fused only (the "
+                f"backend is '{backend}')"
+            )
         self.backend = backend
         self.blank_idx = blank_idx
+        self.fused_gemm = fused_gemm
         self._impl: LossFn = getattr(self, f"_{backend}")
         if backend == "torchaudio":
             try:
@@ -173,10 +183,16 @@ class TransducerLoss:
             self._taf = taf
         elif backend == "fused":
             try:
-                from rnnt.kernels import fused_joint_loss
+                from rnnt.kernels import fused_joint_loss, logits_gemm
             except ImportError as err:
                 raise _import_error(backend, "Triton (rnnt.kernels)", err) from None
+            if fused_gemm not in logits_gemm.GEMMS:
+                raise ConfigError(
+                    f"loss.fused_gemm: unknown GEMM '{fused_gemm}' (choose one of "
+                    f"{', '.join(logits_gemm.GEMMS)})"
+                )
             self._fused_fn = fused_joint_loss
+            self._logits_gemm = logits_gemm
         elif backend == "apex":
             try:
                 from apex.contrib.transducer import TransducerJoint as ApexJoint
@@ -185,6 +201,17 @@ class TransducerLoss:
                 raise _import_error(backend, "apex.contrib.transducer", err) from None
             self._apex_joint_cls = ApexJoint
             self._apex_loss = ApexLoss(fuse_softmax_backward=True, opt=1, packed_input=True)
+
+    def prepare(self, joint: torch.nn.Module) -> bool:
+        """Settle the fused backend's logits GEMM for `joint`'s device and dtype now (building
+        the sm90 kernel if it is chosen), so a trainer pays that before its clock starts.
+        Whether the sm90 kernel is used; False for the other backends."""
+        if self.backend != "fused":
+            return False
+        weight = joint.fc.weight
+        return weight.is_cuda and self._logits_gemm.use_sm90(
+            self.fused_gemm, weight.device, weight.dtype, weight.shape[1], weight.shape[0]
+        )
 
     def __call__(
         self,
@@ -240,7 +267,7 @@ class TransducerLoss:
         return self._fused_fn(
             f, g.to(dt), joint.fc.weight.to(dt), joint.fc.bias.to(dt), f_lens, targets,
             target_lens, blank=self.blank_idx, dropout_p=p, host_lens=host_lens,
-            reduction="mean",
+            reduction="mean", gemm=self.fused_gemm,
         )  # fmt: skip
 
     def _apex(self, joint, f, g, f_lens, targets, target_lens, host_lens) -> torch.Tensor:

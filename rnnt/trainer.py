@@ -187,7 +187,8 @@ class Trainer:
             init_scale=cfg.training.init_loss_scale,
             enabled=cfg.training.precision == "fp16",
         )
-        self.loss_fn = TransducerLoss(cfg.loss.backend, self.model.blank_idx)
+        self.loss_fn = TransducerLoss(cfg.loss.backend, self.model.blank_idx, cfg.loss.fused_gemm)
+        self.loss_fn.prepare(self.model.joint)  # any kernel build happens before run_start
         self.augment_generator = torch.Generator(device=ctx.device)
         self.augment_generator.manual_seed(cfg.training.seed * 1000 + ctx.rank)
         self.train_transform = BatchTransform(

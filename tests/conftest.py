@@ -9,6 +9,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # Two CPU cores in CI: one intra-op thread per test process keeps timings predictable.
 torch.set_num_threads(int(os.environ.get("RNNT_TEST_THREADS", "1")))
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors under its interpreter. It must be chosen before Triton
+    # is first imported: its own library functions (tl.cdiv, ...) are decorated then, and a
+    # compiled one cannot be called from an interpreted kernel.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

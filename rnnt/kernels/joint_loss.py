@@ -18,6 +18,9 @@ B T (U+1) H or B T (U+1) V is ever allocated. Per chunk:
     2. cuBLAS: logits / (1 - p) = h @ W^T (tensor cores, fp32 accumulation).
     3. `_logit_stats_kernel` keeps each row's log-sum-exp and blank / target log-probabilities
        (the 1 / (1 - p) and the bias applied in fp32).
+    On Hopper GPUs with fp16 operands (`gemm` 'auto' or 'sm90'), 2-3 are the CUDA C++ GEMM of
+    rnnt.kernels.logits_gemm, whose epilogue leaves per-row softmax partials beside the same
+    logits, and `_stats_from_partials_kernel`: no second pass over the logits.
     4. `_lattice_kernel` walks the chunk's utterances' lattices by anti-diagonals (alpha and
        beta in parallel programs), `_posteriors_kernel` turns them into each row's occupancy
        and blank / label transition posteriors.
@@ -33,15 +36,16 @@ four GEMMs. All row-wise kernels read and write per-row vectors, so none of thei
 on another, and all lattice values are addressed by row (no (B, T, U+1) copies).
 
 Measured on one H200 (fp16, dropout 0.3, torch 2.11, Triton 3.6), forward + backward of the
-mean: (B, T, U) = (192, 204, 44) 12.9-13.1 ms over three runs and 1.68 GiB extra (the two-pass
-schedule, measured with earlier kernels and 1 GiB chunks: 17.3 ms, 1.27 GiB; torchaudio's
-padded joint + loss: 67 ms, 11 GiB); a LibriSpeech-shaped ragged batch of 192, packed,
-19.6-19.8 ms. Where the kernel time goes, and the fused designs measured slower (logits held
-in registers, Triton GEMMs with the softmax in their epilogues (warp-specialized too), the
-softmax written in place of the logits, d(logits) in a GEMM prologue, L2-sized sub-chunks,
-lattices or all the memory-bound kernels on a side stream), are in docs/PERFORMANCE.md, with
-the one faster design found, a CUDA C++ prototype not built here yet: a GEMM whose softmax
-epilogue overlaps the other warp group's MMAs (12.4-12.6 ms at (192, 204, 44)).
+mean with cuBLAS logits: (B, T, U) = (192, 204, 44) 12.9-13.1 ms over three runs and 1.68 GiB
+extra (the two-pass schedule, measured with earlier kernels and 1 GiB chunks: 17.3 ms, 1.27
+GiB; torchaudio's padded joint + loss: 67 ms, 11 GiB); a LibriSpeech-shaped ragged batch of
+192, packed, 19.6-19.8 ms. Where the kernel time goes, and the fused designs measured slower
+(logits held in registers, Triton GEMMs with the softmax in their epilogues (warp-specialized
+too), the softmax written in place of the logits, d(logits) in a GEMM prologue, L2-sized
+sub-chunks, lattices or all the memory-bound kernels on a side stream), are in
+docs/PERFORMANCE.md, with the one faster design found: the sm90 GEMM above, whose softmax
+epilogue overlaps the other warp group's MMAs (12.53 ms at (192, 204, 44) against 13.05 with
+cuBLAS, ragged 18.87 / 19.76).
 
 Row layouts: without host lengths the rows are the padded (B, T_max, U_max + 1) box (rows past
 T_b or U_b are zeros, computed anyway). With `host_lens` (the input pipeline knows the lengths on
@@ -66,6 +70,7 @@ import triton
 import triton.language as tl
 
 from rnnt.host_lengths import HostLens, check_host_lens, to_device
+from rnnt.kernels import logits_gemm
 
 _NEG = -1e30  # log(0) stand-in, as in rnnt.loss
 _KNEG = tl.constexpr(_NEG)  # the same, readable inside kernels
@@ -84,6 +89,7 @@ CHUNK_BYTES = 3 << 29
 # The row-wise kernels take blocks of whole rows (classes padded to BN >= V): (elements per
 # block, warps, persistent programs per SM).
 STATS_LAUNCH = (1024, 1, 48)  # `_logit_stats_kernel`: one row per warp
+PARTIALS_ROWS = 128  # rows per program of `_stats_from_partials_kernel`
 DLOGITS_LAUNCH = (1024, 4, 8)  # `_dlogits_kernel`
 HIDDEN_U_TILE = 16  # label states per program of `_hidden_kernel` (one frame, all of H)
 HIDDEN_WARPS = 4
@@ -459,6 +465,35 @@ def _logit_stats_kernel(
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows"])
+def _stats_from_partials_kernel(
+    part_ptr, logits_ptr, bias_ptr, label_ptr, lse_ptr, lpb_ptr, lpl_ptr, row0, n_rows, V,
+    blank, gate_scale, NT: tl.constexpr, NTP: tl.constexpr, BR: tl.constexpr,
+):  # fmt: skip
+    """`_logit_stats_kernel`'s outputs from the sm90 logits GEMM's partials (rnnt.kernels.
+    logits_gemm): per chunk row NT (max, sum exp2(x - max)) pairs over 128-class tiles of the
+    base-2 logits x, merged into the log-sum-exp; the blank and target logits are two gathers
+    from the fp16 logits, as there."""
+    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    ok = r < n_rows
+    k = tl.arange(0, NTP)
+    pair_ok = ok[:, None] & (k < NT)[None, :]
+    pair = part_ptr + (r[:, None] * NT + k[None, :]) * 2
+    tile_max = tl.load(pair, mask=pair_ok, other=_KNEG)
+    # masked pairs add 1 * exp2(-1e30 - top) = 0 (and rows past the chunk stay finite)
+    tile_sum = tl.load(pair + 1, mask=pair_ok, other=1.0)
+    top = tl.max(tile_max, axis=1)
+    lse = (top + tl.log2(tl.sum(tile_sum * tl.exp2(tile_max - top[:, None]), axis=1))) * _LN2
+    label = tl.load(label_ptr + row0 + r, mask=ok, other=0)
+    s_blank = tl.load(logits_ptr + r * V + blank, mask=ok, other=0.0).to(tl.float32)
+    s_blank = s_blank * gate_scale + tl.load(bias_ptr + blank).to(tl.float32)
+    s_label = tl.load(logits_ptr + r * V + label, mask=ok, other=0.0).to(tl.float32)
+    s_label = s_label * gate_scale + tl.load(bias_ptr + label, mask=ok, other=0.0).to(tl.float32)
+    tl.store(lse_ptr + row0 + r, lse, mask=ok)
+    tl.store(lpb_ptr + row0 + r, s_blank - lse, mask=ok)
+    tl.store(lpl_ptr + row0 + r, s_label - lse, mask=ok)
+
+
+@triton.jit(do_not_specialize=["row0", "n_rows"])
 def _dlogits_kernel(
     logits_ptr, dl_ptr, bias_ptr, label_ptr, lse_ptr, occ_ptr, wb_ptr, wl_ptr, dbias_ptr, row0,
     n_rows, V, blank, gate_scale, BR: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
@@ -651,6 +686,7 @@ class _Chunk(NamedTuple):
     logits: torch.Tensor  # (n, V), overwritten by d(logits) when `dl` is the same buffer
     dl: torch.Tensor  # (n, V)
     dh: torch.Tensor | None  # (n, H); None without gradients
+    partials: torch.Tensor | None  # (n, V / 128, 2) of the sm90 logits GEMM; None with cuBLAS
 
 
 class _Chunks:
@@ -660,11 +696,13 @@ class _Chunks:
     H or V, bounded by CHUNK_BYTES whatever the batch (or one utterance, if that is larger).
     """
 
-    def __init__(self, layout, hid, v, dtype, device, backward):
+    def __init__(self, layout, hid, v, dtype, device, backward, partials):
         logits_dtype = _logits_dtype(dtype)
         separate_dl = backward and logits_dtype != dtype
+        part_width = v // logits_gemm.TILE_N * 2
         per_row = (hid * dtype.itemsize * (2 if backward else 1) + v * logits_dtype.itemsize
-                   + (v * dtype.itemsize if separate_dl else 0))  # fmt: skip
+                   + (v * dtype.itemsize if separate_dl else 0)
+                   + (part_width * 4 if partials else 0))  # fmt: skip
         starts = layout.starts
         self.spans = [
             (b0, bc, starts[b0], starts[b0 + bc] - starts[b0])
@@ -677,21 +715,26 @@ class _Chunks:
         # d(logits) overwrite the logits in place unless those are wider (bf16 inputs)
         self.dl = torch.empty(rows, v, dtype=dtype, device=device) if separate_dl else self.logits
         self.dh = torch.empty(rows, hid, dtype=dtype, device=device) if backward else None
+        self.partials = None
+        if partials:
+            self.partials = torch.empty(rows, part_width // 2, 2, device=device)
         self.rows = rows
 
     def __iter__(self):
         for b0, bc, row0, n in self.spans:
             dh = None if self.dh is None else self.dh[:n]
-            yield _Chunk(b0, bc, row0, n, self.h[:n], self.logits[:n], self.dl[:n], dh)
+            part = None if self.partials is None else self.partials[:n]
+            yield _Chunk(b0, bc, row0, n, self.h[:n], self.logits[:n], self.dl[:n], dh, part)
 
 
 class _Problem:
     """One call's inputs as the kernels take them: contiguous operands, int32 lengths on the
     device, the row layout (and its device row offsets `offs`), the per-row target labels'
-    buffer (filled by the hidden kernel) and the dropout constants."""
+    buffer (filled by the hidden kernel), the dropout constants and the logits GEMM (`gemm`:
+    one of rnnt.kernels.logits_gemm.GEMMS)."""
 
     def __init__(self, f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank,
-                 p_drop, seed):  # fmt: skip
+                 p_drop, seed, gemm):  # fmt: skip
         self.bsz, self.t_max, self.hid = f.shape
         self.u1 = g.shape[1]
         self.v = weight.shape[0]
@@ -724,23 +767,33 @@ class _Problem:
             # read them, and get any int32 pointer
             self.offs = lens[2 * self.bsz :] if layout.packed else self.f_lens
         self.label_rows = torch.empty(layout.n_rows, dtype=torch.int32, device=self.dev)
+        self.sm90 = self.compiled and logits_gemm.use_sm90(
+            gemm, self.dev, f.dtype, self.hid, self.v
+        )
+        if self.sm90:
+            self.bias32 = self.bias.float()
 
     def chunks(self, backward: bool) -> _Chunks:
-        return _Chunks(self.layout, self.hid, self.v, self.f.dtype, self.dev, backward)
+        return _Chunks(self.layout, self.hid, self.v, self.f.dtype, self.dev, backward, self.sm90)
 
-    def logits(self, chunk: _Chunk, labels: bool = True) -> None:
-        """h and logits of a chunk, and its rows' target labels unless `labels` is False (they
-        are there from the forward)."""
+    def logits(self, chunk: _Chunk, forward: bool = True) -> None:
+        """h and logits of a chunk; in the `forward`, also its rows' target labels and what
+        `stats` reads (the backward's recomputation needs neither)."""
         b0, bc, row0, n, h, logits = chunk[:6]
         layout = self.layout
         _hidden_kernel[(bc * self.t_max, triton.cdiv(self.u1, HIDDEN_U_TILE))](
             self.f, self.g, self.f_lens, self.target_lens, self.offs, h, self.targets,
             self.targets.stride(0), self.label_rows, b0, row0, self.t_max, self.u1, self.hid,
             self.v, *self.dropout, BU=HIDDEN_U_TILE, HP=_hp(self.hid), DROPOUT=self.has_dropout,
-            PACKED=layout.packed, GATE_ASM=self.gate_asm, LABELS=labels, num_warps=HIDDEN_WARPS,
+            PACKED=layout.packed, GATE_ASM=self.gate_asm, LABELS=forward, num_warps=HIDDEN_WARPS,
         )  # fmt: skip
         w_t = self.weight.t()
-        if logits.dtype == h.dtype:
+        if forward and self.sm90:
+            logits_gemm.logits_with_partials(
+                h, self.weight, self.bias32, self.gate_scale * _LOG2E.value, logits,
+                chunk.partials,
+            )  # fmt: skip
+        elif logits.dtype == h.dtype:
             torch.mm(h, w_t, out=logits)
         else:
             # bf16: the fp32 product is a temporary of the chunk's logits size, so a bf16 step
@@ -750,6 +803,14 @@ class _Problem:
     def stats(self, chunk: _Chunk, lattice: _Lattice) -> None:
         """The chunk rows' log-sum-exp and transition log-probabilities, from its logits."""
         row0, n, logits = chunk.row0, chunk.n, chunk.logits
+        if self.sm90:
+            n_tiles = self.v // logits_gemm.TILE_N
+            _stats_from_partials_kernel[(triton.cdiv(n, PARTIALS_ROWS),)](
+                chunk.partials, logits, self.bias, self.label_rows, lattice.lse,
+                lattice.lp_blank, lattice.lp_label, row0, n, self.v, self.blank, self.gate_scale,
+                NT=n_tiles, NTP=triton.next_power_of_2(n_tiles), BR=PARTIALS_ROWS, num_warps=4,
+            )  # fmt: skip
+            return
         br, bn, warps, programs = _row_launch(STATS_LAUNCH, self.v, n, self.dev)
         _logit_stats_kernel[(programs,)](
             logits, self.bias, self.label_rows, lattice.lse, lattice.lp_blank, lattice.lp_label,
@@ -821,7 +882,7 @@ class _Gradients:
                                    device=dev)  # fmt: skip
 
     def add(self, prob: _Problem, chunk: _Chunk, lse: torch.Tensor, posteriors) -> None:
-        b0, bc, row0, n, h, logits, dl, dh = chunk
+        b0, bc, row0, n, h, logits, dl, dh = chunk[:8]
         br, bn, warps, programs = self.dl_launch
         _dlogits_kernel[(programs,)](
             logits, dl, prob.bias, prob.label_rows, lse, *posteriors,
@@ -873,9 +934,9 @@ class _FusedJointLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, p_drop,
-                seed, reduction, one_pass):  # fmt: skip
+                seed, reduction, one_pass, gemm):  # fmt: skip
         prob = _Problem(f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank,
-                        p_drop, seed)  # fmt: skip
+                        p_drop, seed, gemm)  # fmt: skip
         chunks = prob.chunks(backward=one_pass)
         lattice = grads = None
         for chunk in chunks:
@@ -912,7 +973,7 @@ class _FusedJointLoss(torch.autograd.Function):
     def backward(ctx, grad_out):
         if ctx.reduction != "none":
             scale = grad_out.float() / (ctx.bsz if ctx.reduction == "mean" else 1)
-            return (*ctx.grads.results(scale), *[None] * 9)
+            return (*ctx.grads.results(scale), *[None] * 10)
         prob = ctx.prob
         prob.f, prob.g, prob.weight, prob.bias = ctx.saved_tensors
         # The kernels work on weight_b = go_b / max|go| so that half-precision d(logits) stay in
@@ -925,9 +986,9 @@ class _FusedJointLoss(torch.autograd.Function):
         chunks = prob.chunks(backward=True)
         grads = _Gradients(prob, chunks)
         for chunk in chunks:
-            prob.logits(chunk, labels=False)
+            prob.logits(chunk, forward=False)
             grads.add(prob, chunk, lattice.lse, posteriors)
-        return (*grads.results(go_max), *[None] * 9)
+        return (*grads.results(go_max), *[None] * 10)
 
 
 def _logits_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -962,6 +1023,7 @@ def fused_joint_loss(
     seed: int | None = None,
     host_lens: HostLens | None = None,
     reduction: str = "none",
+    gemm: str = "auto",
 ) -> torch.Tensor:
     """RNN-T loss of the joint fc(dropout(relu(f + g))), fused: per utterance (B,) fp32 with
     reduction 'none', else their 'sum' or 'mean' (a scalar).
@@ -979,9 +1041,13 @@ def fused_joint_loss(
 
     'sum' and 'mean' compute the gradients in the forward pass, when any operand needs one
     (one pass over the lattice instead of two: see `_FusedJointLoss`).
+
+    gemm: the forward's logits GEMM, 'auto', 'cublas' or 'sm90' (rnnt.kernels.logits_gemm).
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if gemm not in logits_gemm.GEMMS:
+        raise ValueError(f"gemm must be one of {logits_gemm.GEMMS}, got {gemm!r}")
     if not (f.dtype == g.dtype == weight.dtype == bias.dtype):
         raise TypeError(
             f"fused joint loss needs one dtype for f, g, weight and bias, got {f.dtype}, "
@@ -1012,5 +1078,5 @@ def fused_joint_loss(
     )
     return _FusedJointLoss.apply(
         f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, float(dropout_p), seed,
-        reduction, one_pass,
+        reduction, one_pass, gemm,
     )  # fmt: skip

@@ -1,25 +1,17 @@
 """The fused Triton joint+loss against the plain-PyTorch joint and reference loss.
 
 Without CUDA the kernels run on CPU tensors under the Triton interpreter (tiny shapes); with
-CUDA the same cases run compiled, plus the gpu-marked evidence at MLPerf shapes.
+CUDA the same cases run compiled, plus the gpu-marked evidence at MLPerf shapes (tests/conftest.py
+turns the interpreter on where there is no CUDA).
 """
-
-import importlib
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    # The interpreter is chosen when a kernel is decorated, so set it before the import and
-    # re-decorate if an earlier test already imported the module compiled.
-    os.environ["TRITON_INTERPRET"] = "1"
-    if "rnnt.kernels.joint_loss" in sys.modules:
-        importlib.reload(sys.modules["rnnt.kernels.joint_loss"])
-
 pytest.importorskip("triton")
+import triton  # noqa: E402
+
 from rnnt.kernels import joint_loss as jl  # noqa: E402
 from rnnt.loss import TransducerLoss, rnnt_loss_reference  # noqa: E402
 
@@ -135,7 +127,7 @@ def test_chunked_lattice_and_split_label_tiles_match_the_reference(monkeypatch, 
     want = reference(*case)
     monkeypatch.setattr(jl, "CHUNK_BYTES", 1)  # one utterance per chunk
     layout = _layout(lens, 5, 21, packed)
-    chunks = jl._Chunks(layout, 16, 11, torch.float32, DEVICE, backward=True)
+    chunks = jl._Chunks(layout, 16, 11, torch.float32, DEVICE, backward=True, partials=False)
     assert [bc for _, bc, _, _ in chunks.spans] == [1, 1, 1]
     monkeypatch.setattr(jl, "MAX_FG_U_TILE", 16)  # U+1 = 21: two label tiles, df by atomics
     # 4 rows (16 classes) per block, so the persistent row programs loop over several blocks
@@ -172,8 +164,9 @@ def test_lattice_posteriors_count_every_path_s_blanks_and_labels(packed):
     target_lens = torch.tensor([u for _, u in lens], dtype=torch.int32)
     host = ([t for t, _ in lens], [u for _, u in lens]) if packed else None
     unused = torch.zeros(bsz, 5, 1, device=DEVICE)  # the joint's operands play no part here
-    prob = jl._Problem(unused, unused, unused[0, :2], unused[0, :2, 0], f_lens, torch.zeros(
-        bsz, 4, dtype=torch.long, device=DEVICE), target_lens, host, 1, 0.0, 0)  # fmt: skip
+    targets = torch.zeros(bsz, 4, dtype=torch.long, device=DEVICE)
+    prob = jl._Problem(unused, unused, unused[0, :2], unused[0, :2, 0], f_lens, targets,
+                       target_lens, host, 1, 0.0, 0, "cublas")  # fmt: skip
     lattice = jl._Lattice(prob)
     lattice.lp_blank.copy_(lattice_rows(lp[..., 1], lens, packed))
     lattice.lp_label.copy_(lattice_rows(lp[..., 0], lens, packed))
@@ -226,7 +219,7 @@ def test_hidden_kernel_fills_each_row_s_h_and_target_label(monkeypatch, packed):
     host = ([t for t, _ in lens], [u for _, u in lens]) if packed else None
     monkeypatch.setattr(jl, "CHUNK_BYTES", 18 * (24 * 4 * 2 + 37 * 4))  # 18 rows per chunk
     leaves = [x.detach() for x in leaves]
-    prob = jl._Problem(*leaves, f_lens, targets, target_lens, host, 36, 0.3, 5)
+    prob = jl._Problem(*leaves, f_lens, targets, target_lens, host, 36, 0.3, 5, "cublas")
     chunks = prob.chunks(backward=True)
     assert len(chunks.spans) >= 2  # later chunks start mid-batch
     rows = torch.zeros(prob.layout.n_rows, 24, device=DEVICE)
@@ -356,6 +349,43 @@ def test_hidden_rows_are_the_masked_relu_of_f_plus_g(dtype):
     assert torch.equal(no_dropout, hidden_oracle(f, g, f_lens, target_lens, 1.0))
 
 
+@pytest.mark.parametrize("vocab", [384, 1024], ids=["3_tiles", "8_tiles"])
+def test_stats_from_gemm_partials_equal_the_stats_kernel_s(vocab):
+    # The sm90 GEMM's epilogue hands over per 128-class tile (max, sum exp2(x - max)) of the
+    # base-2 logits x; merged, they must give what the one-pass stats kernel gives from the
+    # logits themselves (and the log-softmax of the biased, scaled logits). The partials here
+    # come from a plain-PyTorch oracle, as the GEMM's are checked against it on the GPU.
+    n, gate_scale, blank = 37, 1 / 0.7, vocab - 1
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(n, vocab, generator=gen) * 4).half().to(DEVICE)
+    bias = (torch.randn(vocab, generator=gen)).half().to(DEVICE)
+    labels = torch.randint(0, vocab, (n + 5,), generator=gen, dtype=torch.int32).to(DEVICE)
+    x = logits.double() * gate_scale * jl._LOG2E.value + bias.double() * jl._LOG2E.value
+    tiles = x.view(n, -1, 128)
+    top = tiles.amax(-1)
+    part = torch.stack([top, torch.exp2(tiles - top[..., None]).sum(-1)], -1).float()
+    row0 = 5  # the chunk's rows start at batch row 5
+    outs = {}
+    for name in ("partials", "stats"):
+        lse, lpb, lpl = torch.full((3, n + row0), 9.0, device=DEVICE)
+        if name == "partials":
+            jl._stats_from_partials_kernel[(triton.cdiv(n, 16),)](
+                part, logits, bias, labels, lse, lpb, lpl, row0, n, vocab, blank, gate_scale,
+                NT=vocab // 128, NTP=triton.next_power_of_2(vocab // 128), BR=16,
+            )  # fmt: skip
+        else:
+            jl._logit_stats_kernel[(2,)](
+                logits, bias, labels, lse, lpb, lpl, row0, n, vocab, blank, gate_scale, BR=4,
+                BN=triton.next_power_of_2(vocab), EVEN=vocab == 1024, STAGES=1,
+            )  # fmt: skip
+        assert (lse[:row0] == 9.0).all(), "rows before the chunk untouched"
+        outs[name] = torch.stack([lse, lpb, lpl])[:, row0:]
+    torch.testing.assert_close(outs["partials"], outs["stats"], rtol=0, atol=2e-5)
+    logp = torch.log_softmax(logits.double() * gate_scale + bias.double(), -1)
+    want = [logp[:, blank], logp.gather(1, labels[row0:].long()[:, None])[:, 0]]
+    torch.testing.assert_close(outs["partials"][1:].double(), torch.stack(want), rtol=0, atol=2e-5)
+
+
 def test_dropout_is_reproducible_from_the_seed():
     case = make_case(**CASES["edges"])
     a = fused(*case, p=0.5, seed=3)[0]
@@ -440,7 +470,7 @@ def test_gpu_one_pass_over_many_chunks_matches_the_reference(monkeypatch, packed
     case = make_case(lens, 12, 512, 1024, seed=6)
     monkeypatch.setattr(jl, "CHUNK_BYTES", 4 << 20)  # about 500 rows per chunk
     layout = _layout(lens, 40, 13, packed)
-    assert len(jl._Chunks(layout, 512, 1024, torch.float32, DEVICE, True).spans) >= 30
+    assert len(jl._Chunks(layout, 512, 1024, torch.float32, DEVICE, True, False).spans) >= 30
     assert_matches(fused(*case, packed=packed, one_pass=True), reference(*case), rel=1e-4)
 
 
