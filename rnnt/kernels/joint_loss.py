@@ -502,7 +502,9 @@ def _dlogits_kernel(
     """d loss / d logits of chunk row r (batch row row0 + r) = occ softmax - [blank] w_blank -
     [label] w_label, from per-row occupancy and transition weights that already carry the
     utterance's output-gradient ratio and are 0 on rows outside the lattice (padded layout);
-    plus this program's column sums of it (its d bias share, one row of `dbias_ptr`).
+    plus this program's column sums of it, added to its row of `dbias_ptr` (each program owns
+    one row, so the chunks' launches accumulate there in stream order, and one reduction at the
+    end replaces one per chunk).
 
     Persistent: program p takes blocks p, p + P, ... of BR whole rows. `dl_ptr` may alias
     `logits_ptr` (same dtype): each element is read before it is written (the pipelined loads
@@ -534,7 +536,8 @@ def _dlogits_kernel(
         col_sum += d
         tl.store(dl_ptr + r[:, None] * V + cols[None, :], d.to(dl_ptr.dtype.element_ty),
                  mask=tile_ok)  # fmt: skip
-    tl.store(dbias_ptr + pid * V + cols, tl.sum(col_sum, axis=0), mask=c_ok)
+    so_far = tl.load(dbias_ptr + pid * V + cols, mask=c_ok, other=0.0)
+    tl.store(dbias_ptr + pid * V + cols, so_far + tl.sum(col_sum, axis=0), mask=c_ok)
 
 
 @triton.jit(do_not_specialize=["T", "U1", "b0", "row0", "BC", "t_per_split"])
@@ -636,6 +639,17 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
+
+
+def _add_mm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b, accumulated by the GEMM itself where it can (no product temporary,
+    no separate add)."""
+    if a.dtype == torch.float32:
+        torch.addmm(acc, a, b, out=acc)
+    elif a.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += a.float() @ b.float()
 
 
 class _Layout:
@@ -873,9 +887,7 @@ class _Gradients:
         self.splits = max(1, min(t_max, triton.cdiv(FG_PROGRAMS_PER_SM * _num_sms(dev), fg_tiles)))
         self.max_bc = chunks.max_bc
         self.dw = torch.zeros(v, hid, dtype=torch.float32, device=dev)
-        self.dbias_part = torch.empty(self.dl_launch[3], v, dtype=torch.float32, device=dev)
-        self.dbias_chunks = torch.empty(len(chunks.spans), v, dtype=torch.float32, device=dev)
-        self.chunks_done = 0
+        self.dbias_part = torch.zeros(self.dl_launch[3], v, dtype=torch.float32, device=dev)
         self.df = torch.zeros(prob.bsz, t_max, hid, dtype=torch.float32, device=dev)
         self.dg = torch.empty(prob.bsz, u1, hid, dtype=torch.float32, device=dev)
         self.dg_part = torch.empty(self.splits, chunks.max_bc, u1, hid, dtype=torch.float32,
@@ -889,9 +901,7 @@ class _Gradients:
             self.dbias_part, row0, n, prob.v, prob.blank, prob.gate_scale, BR=br, BN=bn,
             EVEN=bn == prob.v, STAGES=DLOGITS_STAGES, num_warps=warps,
         )  # fmt: skip
-        torch.sum(self.dbias_part, 0, out=self.dbias_chunks[self.chunks_done])
-        self.chunks_done += 1
-        self.dw += _mm_fp32(dl.t(), h)
+        _add_mm_fp32(self.dw, dl.t(), h)
         torch.mm(dl, prob.weight, out=dh)
         t_per_split = triton.cdiv(prob.t_max, self.splits)
         grid = (bc, triton.cdiv(prob.hid, FG_H_TILE), self.splits * triton.cdiv(prob.u1, self.bu))
@@ -906,15 +916,19 @@ class _Gradients:
 
     def drop_scratch(self) -> None:
         """Free the per-chunk partial sums once every chunk is in (what `results` reads stays)."""
-        self.dbias_part = self.dg_part = None
+        self.dg_part = None
 
     def results(self, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(df, dg, dW, d bias) times `scale` (a device scalar) in the operands' dtypes, with
         dropout's 1 / (1 - p) applied to df, dg and dW (h holds keep * relu(.) without it)."""
         gate = scale * self.gate_scale
-        dbias = self.dbias_chunks.sum(0)
-        grads = (self.df * gate, self.dg * gate, self.dw * gate, dbias * scale)
-        return tuple(x.to(dtype) for x, dtype in zip(grads, self.dtypes, strict=True))
+        dbias = self.dbias_part.sum(0)
+        grads = ((self.df, gate), (self.dg, gate), (self.dw, gate), (dbias, scale))
+        # one kernel each: the product is cast as it is written
+        return tuple(
+            torch.mul(x, factor, out=torch.empty_like(x, dtype=dtype))
+            for (x, factor), dtype in zip(grads, self.dtypes, strict=True)
+        )
 
 
 REDUCTIONS = ("none", "sum", "mean")
