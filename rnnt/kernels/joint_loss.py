@@ -42,10 +42,10 @@ GiB; torchaudio's padded joint + loss: 67 ms, 11 GiB); a LibriSpeech-shaped ragg
 192, packed, 19.6-19.8 ms. Where the kernel time goes, and the fused designs measured slower
 (logits held in registers, Triton GEMMs with the softmax in their epilogues (warp-specialized
 too), the softmax written in place of the logits, d(logits) in a GEMM prologue, L2-sized
-sub-chunks, lattices or all the memory-bound kernels on a side stream), are in
-docs/PERFORMANCE.md, with the one faster design found: the sm90 GEMM above, whose softmax
-epilogue overlaps the other warp group's MMAs (12.53 ms at (192, 204, 44) against 13.05 with
-cuBLAS, ragged 18.87 / 19.76).
+sub-chunks, lattices or all the memory-bound kernels on a side stream, a hand-written sm90 dh
+GEMM forming d(logits) as its A operand), are in docs/PERFORMANCE.md, with the one faster
+design found: the sm90 GEMM above, whose softmax epilogue overlaps the other warp group's MMAs
+(12.29 ms at (192, 204, 44) against 13.01 with cuBLAS, ragged 18.85 / 19.73).
 
 Row layouts: without host lengths the rows are the padded (B, T_max, U_max + 1) box (rows past
 T_b or U_b are zeros, computed anyway). With `host_lens` (the input pipeline knows the lengths on
