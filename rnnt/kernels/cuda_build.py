@@ -49,9 +49,9 @@ def cache_dir() -> Path:
     return Path(base) / "rnnt-mlperf"
 
 
-def build(source: Path, flags: Sequence[str], nvcc: Path | None = None) -> Path:
+def build(source: Path, flags: Sequence[str]) -> Path:
     """The shared library of `source` compiled with `flags`: from the cache, or built now."""
-    nvcc = nvcc or find_nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError(
             f"building {source.name} needs nvcc (CUDA 12 or newer; tested with 13.0): set "

@@ -787,8 +787,11 @@ class _Problem:
         if self.sm90:
             self.bias32 = self.bias.float()
 
-    def chunks(self, backward: bool) -> _Chunks:
-        return _Chunks(self.layout, self.hid, self.v, self.f.dtype, self.dev, backward, self.sm90)
+    def chunks(self, backward: bool, stats: bool) -> _Chunks:
+        """Chunk buffers for `logits` (with `stats`: the forward's, which also fill what `stats`
+        reads) and, if `backward`, for the gradients."""
+        partials = self.sm90 and stats
+        return _Chunks(self.layout, self.hid, self.v, self.f.dtype, self.dev, backward, partials)
 
     def logits(self, chunk: _Chunk, forward: bool = True) -> None:
         """h and logits of a chunk; in the `forward`, also its rows' target labels and what
@@ -951,7 +954,7 @@ class _FusedJointLoss(torch.autograd.Function):
                 seed, reduction, one_pass, gemm):  # fmt: skip
         prob = _Problem(f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank,
                         p_drop, seed, gemm)  # fmt: skip
-        chunks = prob.chunks(backward=one_pass)
+        chunks = prob.chunks(backward=one_pass, stats=True)
         lattice = grads = None
         for chunk in chunks:
             prob.logits(chunk)
@@ -997,7 +1000,7 @@ class _FusedJointLoss(torch.autograd.Function):
         go_max = go.abs().amax().clamp_min(1e-30)
         lattice = ctx.lattice
         posteriors = lattice.posteriors(0, prob.bsz, weights=go / go_max)
-        chunks = prob.chunks(backward=True)
+        chunks = prob.chunks(backward=True, stats=False)  # logits recomputed only
         grads = _Gradients(prob, chunks)
         for chunk in chunks:
             prob.logits(chunk, forward=False)

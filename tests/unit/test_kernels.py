@@ -220,7 +220,7 @@ def test_hidden_kernel_fills_each_row_s_h_and_target_label(monkeypatch, packed):
     monkeypatch.setattr(jl, "CHUNK_BYTES", 18 * (24 * 4 * 2 + 37 * 4))  # 18 rows per chunk
     leaves = [x.detach() for x in leaves]
     prob = jl._Problem(*leaves, f_lens, targets, target_lens, host, 36, 0.3, 5, "cublas")
-    chunks = prob.chunks(backward=True)
+    chunks = prob.chunks(backward=True, stats=True)
     assert len(chunks.spans) >= 2  # later chunks start mid-batch
     rows = torch.zeros(prob.layout.n_rows, 24, device=DEVICE)
     for chunk in chunks:
