@@ -14,7 +14,9 @@ WORKDIR /workspace/rnnt
 COPY requirements.txt .
 RUN pip install --no-cache-dir -r requirements.txt nvidia-dali-cuda130
 COPY . .
-# The fused loss's Hopper logits GEMM (rnnt/kernels/csrc), built now with the image's nvcc so
-# no rank compiles it at start-up (building needs no GPU).
+# The fused loss's CUDA C++ kernels (rnnt/kernels/csrc: the Hopper logits GEMM, the lattice
+# walk for A100 and H100 / H200), built now with the image's nvcc so no rank compiles them at
+# start-up (building needs no GPU).
 ENV RNNT_KERNEL_CACHE=/opt/rnnt-kernels
-RUN python3 -c "from rnnt.kernels import logits_gemm; print(logits_gemm.library())"
+RUN python3 -c "from rnnt.kernels import lattice_walk, logits_gemm; print(logits_gemm.library()); \
+    print([lattice_walk.library(cc) for cc in ((8, 0), (9, 0))])"

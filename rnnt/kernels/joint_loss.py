@@ -21,9 +21,10 @@ B T (U+1) H or B T (U+1) V is ever allocated. Per chunk:
     On Hopper GPUs with fp16 operands (`gemm` 'auto' or 'sm90'), 2-3 are the CUDA C++ GEMM of
     rnnt.kernels.logits_gemm, whose epilogue leaves per-row softmax partials beside the same
     logits, and `_stats_from_partials_kernel`: no second pass over the logits.
-    4. `_lattice_kernel` walks the chunk's utterances' lattices by anti-diagonals (alpha and
-       beta in parallel programs), `_posteriors_kernel` turns them into each row's occupancy
-       and blank / label transition posteriors.
+    4. `_lattice_kernel` (or, where it builds, the same walk in CUDA C++:
+       rnnt.kernels.lattice_walk) walks the chunk's utterances' lattices by anti-diagonals
+       (alpha and beta in parallel programs), `_posteriors_kernel` turns them into each row's
+       occupancy and blank / label transition posteriors.
     5. `_dlogits_kernel` overwrites the logits with d(logits) = occupancy * softmax - blank /
        label posteriors; cuBLAS forms dW += d(logits)^T h (fp32) and dh = d(logits) W; and
        `_grad_fg_kernel` reduces dh * relu' over u (df) and over t (dg).
@@ -33,7 +34,9 @@ backward scales the stored df, dg, dW, d bias. Three GEMMs of rows x H x V, h ge
 With per-utterance output gradients (reduction 'none') the forward stops after step 3 and a
 whole-batch lattice; the backward redoes steps 1-2 and runs 5 with each utterance's weight:
 four GEMMs. All row-wise kernels read and write per-row vectors, so none of their loads waits
-on another, and all lattice values are addressed by row (no (B, T, U+1) copies).
+on another, and the lattice values are addressed by row (no (B, T, U+1) copies) except the
+walk's: its inputs, alpha and beta are diagonal-major (`_diagonals`), so a step's loads and stores
+are contiguous.
 
 Measured on one H200 (fp16, dropout 0.3, torch 2.11, Triton 3.6), forward + backward of the
 mean with cuBLAS logits: (B, T, U) = (192, 204, 44) 12.9-13.1 ms over three runs and 1.68 GiB
@@ -70,12 +73,15 @@ import triton
 import triton.language as tl
 
 from rnnt.host_lengths import HostLens, check_host_lens, to_device
-from rnnt.kernels import logits_gemm
+from rnnt.kernels import lattice_walk, logits_gemm
 
 _NEG = -1e30  # log(0) stand-in, as in rnnt.loss
 _KNEG = tl.constexpr(_NEG)  # the same, readable inside kernels
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
+# Lanes per diagonal of the lattice walk's diagonal-major inputs are a multiple of this, so a
+# diagonal starts 16-byte aligned (vector loads of fp32 lanes).
+SKEW_ALIGN = tl.constexpr(4)
 
 # Bytes of h, logits and dh per chunk of utterances. Each chunk walks its lattice after its
 # stats, at a latency-bound cost per chunk, so fewer chunks are faster; 1.5 GiB keeps the extra
@@ -163,35 +169,59 @@ def _utterance_rows(b, u_len, offs_ptr, T, U1, PACKED: tl.constexpr):
 
 
 @triton.jit
-def _diagonal(lpb_ptr, lpl_ptr, first, stride, n, t_len, u_len, BLOCK_U: tl.constexpr,
+def _diagonals(b, u_len, soffs_ptr, T, U1, PACKED: tl.constexpr):
+    """(first cell, width) of utterance b's values in the lattice walk's diagonal-major layout:
+    cell (t, u) at first + (t + u) width + u (int64), so a diagonal's cells are contiguous (in
+    the rows, (t, u) with u fastest, they lie U_b + 1 apart, and each of the walk's T_b + U_b
+    sequential steps waited on scattered loads and stores). Each diagonal is SKEW_ALIGN-aligned.
+    Packed: from soffs[b], U_b + 1 lanes rounded up; padded: (T + U + 1) diagonals of the box's
+    U + 1 lanes rounded up.
+
+    The transition log-probabilities are stored at the cell that their move enters: lp_blank[t,
+    u] at (t + 1, u), lp_label[t, u] at (t, u + 1), the next lane; so the walk's step to
+    diagonal n reads both from diagonal n, lane u (alpha), or from diagonal n + 1 (beta)."""
+    if PACKED:
+        width = (u_len + SKEW_ALIGN) // SKEW_ALIGN * SKEW_ALIGN
+        return tl.load(soffs_ptr + b).to(tl.int64), width.to(tl.int64)
+    width = (U1 + SKEW_ALIGN - 1) // SKEW_ALIGN * SKEW_ALIGN + 0 * u_len
+    return b.to(tl.int64) * (T + U1) * width, width.to(tl.int64)
+
+
+@triton.jit
+def _diagonal(skb_ptr, skl_ptr, sfirst, width, n, t_len, u_len, BLOCK_U: tl.constexpr,
               ALPHA: tl.constexpr):  # fmt: skip
-    """Anti-diagonal n's lanes u: whether cell (n - u, u) is in the lattice, its row, and the
-    two log-probabilities the recursion adds there (alpha: the blank from above and the label
-    from the left; beta: the cell's own blank and label), log 0 where a move does not exist."""
+    """Anti-diagonal n's lanes u: whether cell (n - u, u) is in the lattice, its diagonal-major
+    index, and the two log-probabilities the recursion adds there (alpha: the blank from above
+    and the label from the left; beta: the cell's own blank and label), log 0 where a move does
+    not exist; both contiguous in u (`_diagonals`)."""
     u = tl.arange(0, BLOCK_U)
     t = n - u
     ok = (t >= 0) & (t < t_len) & (u <= u_len)
-    row = first + t * stride + u
+    cell = sfirst + n * width + u
     if ALPHA:
-        lpb = tl.load(lpb_ptr + row - stride, mask=ok & (t >= 1), other=_KNEG)
-        lpl = tl.load(lpl_ptr + row - 1, mask=ok & (u >= 1), other=_KNEG)
-    else:
-        lpb = tl.load(lpb_ptr + row, mask=ok, other=_KNEG)
-        lpl = tl.load(lpl_ptr + row, mask=ok & (u < u_len), other=_KNEG)
-    return ok, row, lpb, lpl
+        lpb = tl.load(skb_ptr + cell, mask=ok & (t >= 1), other=_KNEG)
+        lpl = tl.load(skl_ptr + cell, mask=ok & (u >= 1), other=_KNEG)
+    else:  # the moves out of diagonal n are stored on n + 1
+        lpb = tl.load(skb_ptr + cell + width, mask=ok, other=_KNEG)
+        lpl = tl.load(skl_ptr + cell + width + 1, mask=ok & (u < u_len), other=_KNEG)
+    return ok, cell, lpb, lpl
 
 
 @triton.jit(do_not_specialize=["T", "U1", "b0"])
 def _lattice_kernel(
-    lpb_ptr, lpl_ptr, offs_ptr, flen_ptr, tlen_ptr, alpha_ptr, beta_ptr, ll_ptr, b0, T, U1,
+    skb_ptr, skl_ptr, soffs_ptr, flen_ptr, tlen_ptr, alpha_ptr, beta_ptr, ll_ptr, b0, T, U1,
     BLOCK_U: tl.constexpr, PACKED: tl.constexpr, HW_LOG2: tl.constexpr,
 ):  # fmt: skip
-    """alpha (program (i, 0)) or beta and log P (program (i, 1)) of utterance b0 + i, by rows.
+    """alpha (program (i, 0)) or beta and log P (program (i, 1)) of utterance b0 + i, all
+    diagonal-major (`_diagonals`). rnnt.kernels.lattice_walk runs the same arithmetic in CUDA
+    C++ (bitwise the same outputs) in about half the time; this kernel is its reference and
+    fallback.
 
     One anti-diagonal n = t + u per step, lane u holding cell (n - u, u): the diagonal stays in
     registers and the neighbour on the previous diagonal is a lane shift (`tl.gather`), so the
     only memory traffic of the sequential walk are the two transition log-probabilities per
-    cell, loaded one diagonal ahead of their use. Only cells inside the lattice are written.
+    cell, loaded one diagonal ahead of their use (contiguous: `_diagonals`),
+    and the diagonal's stores. Only cells inside the lattice are written.
     alpha and beta are summed in fp64: in fp32 their rounding (a few 1e-5 at -log P ~ 700)
     became 1.5e-4 relative errors in the posteriors exp(alpha + lp + beta - log P) and so in
     the gradients; in fp64 they are within 4e-6 of an fp64 reference.
@@ -199,12 +229,15 @@ def _lattice_kernel(
     walk of seven chunks at (192, 204, 44) from 0.49 to 0.37 ms, and of the ragged LibriSpeech
     batch's eleven from 2.89 to 1.76 ms (H200); the fp64 sums then cost 14 % and 23 % (kernel
     time in the profile: 0.59 -> 0.67 ms, 1.76 -> 2.17 ms). Loading two diagonals ahead, or
-    pipelining the loads with `tl.range` stages (2, 3, 4, 6), was slower at (192, 204, 44).
+    pipelining the loads with `tl.range` stages (2, 3, 4, 6), was slower at (192, 204, 44); so
+    was this kernel reading the diagonal-major inputs (stores still by row; 0.45 -> 0.61 ms per
+    call there, 2026-11-23),
+    which only the CUDA walk's loads four diagonals ahead turn into a gain.
     """
     b = b0 + tl.program_id(0)
     t_len = tl.load(flen_ptr + b)
     u_len = tl.load(tlen_ptr + b)
-    first, stride = _utterance_rows(b, u_len, offs_ptr, T, U1, PACKED)
+    sfirst, width = _diagonals(b, u_len, soffs_ptr, T, U1, PACKED)
     u = tl.arange(0, BLOCK_U)
     n_diag = t_len + u_len
     if tl.program_id(1) == 0:
@@ -212,37 +245,37 @@ def _lattice_kernel(
         #                         alpha[t, u-1] + lp_label[t, u-1]), diagonals 1, 2, ...
         left = tl.maximum(u - 1, 0)
         alpha = tl.where(u == 0, 0.0, _KNEG).to(tl.float64)
-        tl.store(alpha_ptr + first + u, alpha, mask=u == 0)
-        ok, row, lpb, lpl = _diagonal(lpb_ptr, lpl_ptr, first, stride, 1, t_len, u_len,
-                                      BLOCK_U, True)  # fmt: skip
+        tl.store(alpha_ptr + sfirst + u, alpha, mask=u == 0)
+        ok, cell, lpb, lpl = _diagonal(skb_ptr, skl_ptr, sfirst, width, 1, t_len, u_len, BLOCK_U,
+                                       True)  # fmt: skip
         for n in range(1, n_diag):
-            nxt = _diagonal(lpb_ptr, lpl_ptr, first, stride, n + 1, t_len, u_len, BLOCK_U, True)
+            nxt = _diagonal(skb_ptr, skl_ptr, sfirst, width, n + 1, t_len, u_len, BLOCK_U, True)
             emit = tl.gather(alpha, left, 0) + lpl
             alpha = tl.where(ok, _logaddexp(alpha + lpb, emit, HW_LOG2), _KNEG)
-            tl.store(alpha_ptr + row, alpha, mask=ok)
-            ok, row, lpb, lpl = nxt
+            tl.store(alpha_ptr + cell, alpha, mask=ok)
+            ok, cell, lpb, lpl = nxt
     else:
         # beta[t, u] = logaddexp(beta[t+1, u] + lp_blank[t, u], beta[t, u+1] + lp_label[t, u]),
         # diagonals n_diag - 1 down to 0; leaving by the final blank from (T_b - 1, U_b) has
         # probability one, and beta[0, 0] = log P
         right = tl.minimum(u + 1, BLOCK_U - 1)
         beta = tl.where(u == u_len, 0.0, _KNEG).to(tl.float64)
-        ok, row, lpb, lpl = _diagonal(lpb_ptr, lpl_ptr, first, stride, n_diag - 1, t_len, u_len,
-                                      BLOCK_U, False)  # fmt: skip
+        ok, cell, lpb, lpl = _diagonal(skb_ptr, skl_ptr, sfirst, width, n_diag - 1, t_len, u_len,
+                                       BLOCK_U, False)  # fmt: skip
         for i in range(0, n_diag):
-            nxt = _diagonal(lpb_ptr, lpl_ptr, first, stride, n_diag - 2 - i, t_len, u_len,
+            nxt = _diagonal(skb_ptr, skl_ptr, sfirst, width, n_diag - 2 - i, t_len, u_len,
                             BLOCK_U, False)  # fmt: skip
             emit = tl.gather(beta, right, 0) + lpl
             beta = tl.where(ok, _logaddexp(beta + lpb, emit, HW_LOG2), _KNEG)
-            tl.store(beta_ptr + row, beta, mask=ok)
-            ok, row, lpb, lpl = nxt
+            tl.store(beta_ptr + cell, beta, mask=ok)
+            ok, cell, lpb, lpl = nxt
         tl.store(ll_ptr + b, tl.sum(tl.where(u == 0, beta, 0.0), axis=0))
 
 
 @triton.jit(do_not_specialize=["T", "U1", "b0"])
 def _posteriors_kernel(
-    lpb_ptr, lpl_ptr, offs_ptr, flen_ptr, tlen_ptr, alpha_ptr, beta_ptr, ll_ptr, weight_ptr,
-    occ_ptr, wb_ptr, wl_ptr, b0, T, U1, BT: tl.constexpr, BLOCK_U: tl.constexpr,
+    skb_ptr, skl_ptr, offs_ptr, soffs_ptr, flen_ptr, tlen_ptr, alpha_ptr, beta_ptr, ll_ptr,
+    weight_ptr, occ_ptr, wb_ptr, wl_ptr, b0, T, U1, BT: tl.constexpr, BLOCK_U: tl.constexpr,
     PACKED: tl.constexpr, WEIGHTED: tl.constexpr,
 ):  # fmt: skip
     """Transition posteriors of BT frames of utterance b0 + program_id(0), by rows, each in
@@ -260,15 +293,17 @@ def _posteriors_kernel(
     t_len = tl.load(flen_ptr + b)
     u_len = tl.load(tlen_ptr + b)
     first, stride = _utterance_rows(b, u_len, offs_ptr, T, U1, PACKED)
+    sfirst, width = _diagonals(b, u_len, soffs_ptr, T, U1, PACKED)
     row = first + t * stride + u
+    cell = sfirst + (t + u) * width + u  # the lattice values are diagonal-major
     ok = (t < t_len) & (u <= u_len)
-    alpha = tl.load(alpha_ptr + row, mask=ok, other=_KNEG)
+    alpha = tl.load(alpha_ptr + cell, mask=ok, other=_KNEG)
     after = tl.where(u == u_len, 0.0, _KNEG)
-    stay = tl.load(beta_ptr + row + stride, mask=ok & (t + 1 < t_len), other=after)
-    stay += tl.load(lpb_ptr + row, mask=ok, other=0.0)
+    stay = tl.load(beta_ptr + cell + width, mask=ok & (t + 1 < t_len), other=after)
+    stay += tl.load(skb_ptr + cell + width, mask=ok, other=0.0)  # the move into (t + 1, u)
     ok_emit = ok & (u < u_len)
-    emit = tl.load(beta_ptr + row + 1, mask=ok_emit, other=_KNEG)
-    emit += tl.load(lpl_ptr + row, mask=ok_emit, other=0.0)
+    emit = tl.load(beta_ptr + cell + width + 1, mask=ok_emit, other=_KNEG)
+    emit += tl.load(skl_ptr + cell + width + 1, mask=ok_emit, other=0.0)  # into (t, u + 1)
     log_lik = tl.load(ll_ptr + b)
     # the fp64 sum is O(1): only then is it rounded for the exponential
     w_blank = tl.where(ok, tl.exp((alpha + stay - log_lik).to(tl.float32)), 0.0)
@@ -358,9 +393,9 @@ def _gate_pairs(fv, gv, bits, thr_row, ASM: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "U1", "seed", "b0", "row0"])
 def _hidden_kernel(
-    f_ptr, g_ptr, flen_ptr, tlen_ptr, offs_ptr, h_ptr, tgt_ptr, tgt_stride, label_ptr, b0, row0,
-    T, U1, H, V, seed, drop_thr, BU: tl.constexpr, HP: tl.constexpr, DROPOUT: tl.constexpr,
-    PACKED: tl.constexpr, GATE_ASM: tl.constexpr, LABELS: tl.constexpr,
+    f_ptr, g_ptr, flen_ptr, tlen_ptr, offs_ptr, soffs_ptr, h_ptr, tgt_ptr, tgt_stride, label_ptr,
+    dest_ptr, b0, row0, T, U1, H, V, seed, drop_thr, BU: tl.constexpr, HP: tl.constexpr,
+    DROPOUT: tl.constexpr, PACKED: tl.constexpr, GATE_ASM: tl.constexpr, LABELS: tl.constexpr,
 ):  # fmt: skip
     """h rows of one frame: h[(b, t, u)] = keep * relu(f[b, t] + g[b, u]), without dropout's
     1 / (1 - p) (the row kernels and the gradients apply it in fp32); padded rows outside the
@@ -368,8 +403,10 @@ def _hidden_kernel(
     on a ragged batch most of the (frame, label-tile) grid is such). With GATE_ASM (`_gate_asm`)
     the sum, ReLU and mask run in packed half-precision math, else in fp32.
 
-    LABELS: also the rows' target labels at batch row row0 + row, targets[b, u] clamped to
-    [0, V) (0 where u >= U_b, which no label transition reads), for the row kernels' gathers.
+    LABELS: also, at batch row row0 + row, the rows' target labels, targets[b, u] clamped to
+    [0, V) (0 where u >= U_b, which no label transition reads), for the row kernels' gathers,
+    and where the stats kernels store the rows' log-probabilities: the diagonal-major cell
+    (t + 1, u) (`_diagonals`).
     """
     pid = tl.program_id(0)
     b = b0 + pid // T
@@ -414,16 +451,22 @@ def _hidden_kernel(
         if LABELS:
             label = tl.load(tgt_ptr + b.to(tl.int64) * tgt_stride + u, mask=u < u_len, other=0)
             label = tl.minimum(tl.maximum(label, 0), V - 1).to(tl.int32)
-            tl.store(label_ptr + row0 + row, label, mask=row_ok if PACKED else u < U1)
+            label_ok = row_ok if PACKED else u < U1
+            tl.store(label_ptr + row0 + row, label, mask=label_ok)
+            sfirst, width = _diagonals(b, u_len, soffs_ptr, T, U1, PACKED)
+            dest = sfirst + (t + 1 + u) * width + u
+            tl.store(dest_ptr + row0 + row, dest.to(tl.int32), mask=label_ok)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows"])
 def _logit_stats_kernel(
-    logits_ptr, bias_ptr, label_ptr, lse_ptr, lpb_ptr, lpl_ptr, row0, n_rows, V, blank,
-    gate_scale, BR: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
+    logits_ptr, bias_ptr, label_ptr, dest_ptr, lse_ptr, skb_ptr, skl_ptr, row0, n_rows, V,
+    blank, gate_scale, BR: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Per chunk row r, written at batch row row0 + r: the log-sum-exp over the classes and the
-    log-probabilities of blank and of the target label. The logits are gate_scale * (the
+    """Per chunk row r: the log-sum-exp over the classes (at batch row row0 + r) and the
+    log-probabilities of blank and of the target label (at the row's diagonal-major cell, the
+    label's one lane on: `_diagonals`; a row with no label move writes one that no kernel
+    reads). The logits are gate_scale * (the
     buffer's h W^T, h without dropout's 1 / (1 - p)) + bias, formed in fp32.
 
     Persistent: program p takes blocks p, p + P, ... of BR whole rows (BN >= V), so each logit
@@ -459,15 +502,16 @@ def _logit_stats_kernel(
             s2 = tl.where(c_ok[None, :], s2, _KNEG)
         top = tl.max(s2, axis=1)
         lse = (top + tl.log2(tl.sum(tl.exp2(s2 - top[:, None]), axis=1))) * _LN2
+        dest = tl.load(dest_ptr + row0 + r, mask=ok, other=0)
         tl.store(lse_ptr + row0 + r, lse, mask=ok)
-        tl.store(lpb_ptr + row0 + r, s_blank + bias_blank - lse, mask=ok)
-        tl.store(lpl_ptr + row0 + r, s_label - lse, mask=ok)
+        tl.store(skb_ptr + dest, s_blank + bias_blank - lse, mask=ok)
+        tl.store(skl_ptr + dest + 1, s_label - lse, mask=ok)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows"])
 def _stats_from_partials_kernel(
-    part_ptr, logits_ptr, bias_ptr, label_ptr, lse_ptr, lpb_ptr, lpl_ptr, row0, n_rows, V,
-    blank, gate_scale, NT: tl.constexpr, NTP: tl.constexpr, BR: tl.constexpr,
+    part_ptr, logits_ptr, bias_ptr, label_ptr, dest_ptr, lse_ptr, skb_ptr, skl_ptr, row0, n_rows,
+    V, blank, gate_scale, NT: tl.constexpr, NTP: tl.constexpr, BR: tl.constexpr,
 ):  # fmt: skip
     """`_logit_stats_kernel`'s outputs from the sm90 logits GEMM's partials (rnnt.kernels.
     logits_gemm): per chunk row NT (max, sum exp2(x - max)) pairs over 128-class tiles of the
@@ -488,9 +532,10 @@ def _stats_from_partials_kernel(
     s_blank = s_blank * gate_scale + tl.load(bias_ptr + blank).to(tl.float32)
     s_label = tl.load(logits_ptr + r * V + label, mask=ok, other=0.0).to(tl.float32)
     s_label = s_label * gate_scale + tl.load(bias_ptr + label, mask=ok, other=0.0).to(tl.float32)
+    dest = tl.load(dest_ptr + row0 + r, mask=ok, other=0)
     tl.store(lse_ptr + row0 + r, lse, mask=ok)
-    tl.store(lpb_ptr + row0 + r, s_blank - lse, mask=ok)
-    tl.store(lpl_ptr + row0 + r, s_label - lse, mask=ok)
+    tl.store(skb_ptr + dest, s_blank - lse, mask=ok)
+    tl.store(skl_ptr + dest + 1, s_label - lse, mask=ok)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows"])
@@ -622,10 +667,11 @@ def joint_hidden(f, g, f_lens, target_lens, p: float, seed: int, packed_math: bo
     u1 = g.shape[1]
     out = torch.empty(bsz, t_max, u1, hid, dtype=f.dtype, device=f.device)
     lens = (x.to(f.device, torch.int32).contiguous() for x in (f_lens, target_lens))
-    unused = torch.zeros(1, dtype=torch.int32, device=f.device)  # offsets and labels
+    unused = torch.zeros(1, dtype=torch.int32, device=f.device)  # offsets, labels, cells
     _hidden_kernel[(bsz * t_max, triton.cdiv(u1, HIDDEN_U_TILE))](
-        f.contiguous(), g.contiguous(), *lens, unused, out, unused, 0, unused, 0, 0, t_max, u1,
-        hid, 1, seed, _threshold(p), BU=HIDDEN_U_TILE, HP=_hp(hid), DROPOUT=p > 0, PACKED=False,
+        f.contiguous(), g.contiguous(), *lens, unused, unused, out, unused, 0, unused, unused, 0,
+        0, t_max, u1, hid, 1, seed, _threshold(p), BU=HIDDEN_U_TILE, HP=_hp(hid), DROPOUT=p > 0,
+        PACKED=False,
         GATE_ASM=_gate_asm(f.dtype, f.device) if packed_math and _compiled(f.device) else "",
         LABELS=False, num_warps=HIDDEN_WARPS,
     )  # fmt: skip
@@ -670,6 +716,15 @@ class _Layout:
         # tables and the lengths' loads (measured 0.8 ms faster at (192, 204, 44)).
         self.starts = [0, *itertools.accumulate(sizes)]  # C loop: this runs before any launch
         self.packed = self.starts[-1] < bsz * t_max * u1
+        # the walk's diagonal-major copies (`_diagonals`): T_b + U_b + 1 diagonals per utterance
+        align = SKEW_ALIGN.value
+        if self.packed:
+            skew = [(t + u + 1) * ((u + align) // align * align) for t, u in zip(*host_lens)]
+            self.skew_starts = [0, *itertools.accumulate(skew)]
+            self.skew_cells = self.skew_starts[-1]
+        else:
+            self.skew_starts = []  # the kernels compute the padded layout's
+            self.skew_cells = bsz * (t_max + u1) * ((u1 + align - 1) // align * align)
 
     @property
     def n_rows(self) -> int:
@@ -762,7 +817,7 @@ class _Problem:
         self.compiled = _compiled(self.dev)  # not the interpreter: inline assembly allowed
         self.gate_asm = _gate_asm(f.dtype, self.dev) if self.compiled else ""
         self.layout = layout = _Layout(host_lens, self.bsz, self.t_max, self.u1)
-        if layout.n_rows >= 2**31:
+        if max(layout.n_rows, layout.skew_cells) >= 2**31:
             raise ValueError(
                 f"fused joint loss: {layout.n_rows} lattice rows (B T (U+1)) exceed the int32 "
                 "row offsets; split the batch"
@@ -770,19 +825,28 @@ class _Problem:
         if host_lens is None:
             self.f_lens = f_lens.to(self.dev, torch.int32).contiguous()
             self.target_lens = target_lens.to(self.dev, torch.int32).contiguous()
-            self.offs = self.f_lens  # never packed: the kernels never read the offsets
+            self.offs = self.soffs = self.f_lens  # never packed: no kernel reads the offsets
         else:
             # one host-to-device copy for the lengths and the row offsets (each costs host time
             # before the first launch, and the GPU waits for that)
-            host = [*host_lens[0], *host_lens[1], *(layout.starts if layout.packed else [])]
+            host = [*host_lens[0], *host_lens[1]]
+            if layout.packed:
+                host += [*layout.starts, *layout.skew_starts]
             lens = to_device(host, self.dev)
             self.f_lens, self.target_lens = lens[: self.bsz], lens[self.bsz : 2 * self.bsz]
-            # int32 row offsets (B + 1,) of the packed layout; the padded layout's kernels never
-            # read them, and get any int32 pointer
-            self.offs = lens[2 * self.bsz :] if layout.packed else self.f_lens
-        self.label_rows = torch.empty(layout.n_rows, dtype=torch.int32, device=self.dev)
+            # int32 row and diagonal-major offsets (B + 1,) of the packed layout; the padded
+            # layout's kernels never read them, and get any int32 pointer
+            self.offs = lens[2 * self.bsz : 3 * self.bsz + 1] if layout.packed else self.f_lens
+            self.soffs = lens[3 * self.bsz + 1 :] if layout.packed else self.f_lens
+        # per row: target label, diagonal-major cell (`_hidden_kernel` writes both)
+        self.label_rows, self.dest_rows = torch.empty(
+            2, layout.n_rows, dtype=torch.int32, device=self.dev
+        )
         self.sm90 = self.compiled and logits_gemm.use_sm90(
             gemm, self.dev, f.dtype, self.hid, self.v
+        )
+        self.cuda_walk = (
+            self.compiled and self.u1 <= lattice_walk.MAX_U1 and lattice_walk.available(self.dev)
         )
         if self.sm90:
             self.bias32 = self.bias.float()
@@ -799,8 +863,9 @@ class _Problem:
         b0, bc, row0, n, h, logits = chunk[:6]
         layout = self.layout
         _hidden_kernel[(bc * self.t_max, triton.cdiv(self.u1, HIDDEN_U_TILE))](
-            self.f, self.g, self.f_lens, self.target_lens, self.offs, h, self.targets,
-            self.targets.stride(0), self.label_rows, b0, row0, self.t_max, self.u1, self.hid,
+            self.f, self.g, self.f_lens, self.target_lens, self.offs, self.soffs, h, self.targets,
+            self.targets.stride(0), self.label_rows, self.dest_rows, b0, row0, self.t_max, self.u1,
+            self.hid,
             self.v, *self.dropout, BU=HIDDEN_U_TILE, HP=_hp(self.hid), DROPOUT=self.has_dropout,
             PACKED=layout.packed, GATE_ASM=self.gate_asm, LABELS=forward, num_warps=HIDDEN_WARPS,
         )  # fmt: skip
@@ -823,30 +888,34 @@ class _Problem:
         if self.sm90:
             n_tiles = self.v // logits_gemm.TILE_N
             _stats_from_partials_kernel[(triton.cdiv(n, PARTIALS_ROWS),)](
-                chunk.partials, logits, self.bias, self.label_rows, lattice.lse,
-                lattice.lp_blank, lattice.lp_label, row0, n, self.v, self.blank, self.gate_scale,
-                NT=n_tiles, NTP=triton.next_power_of_2(n_tiles), BR=PARTIALS_ROWS, num_warps=4,
+                chunk.partials, logits, self.bias, self.label_rows, self.dest_rows, lattice.lse,
+                lattice.skew_blank, lattice.skew_label, row0, n, self.v, self.blank,
+                self.gate_scale, NT=n_tiles, NTP=triton.next_power_of_2(n_tiles), BR=PARTIALS_ROWS,
+                num_warps=4,
             )  # fmt: skip
             return
         br, bn, warps, programs = _row_launch(STATS_LAUNCH, self.v, n, self.dev)
         _logit_stats_kernel[(programs,)](
-            logits, self.bias, self.label_rows, lattice.lse, lattice.lp_blank, lattice.lp_label,
-            row0, n, self.v, self.blank, self.gate_scale, BR=br, BN=bn, EVEN=bn == self.v,
-            STAGES=STATS_STAGES, num_warps=warps,
+            logits, self.bias, self.label_rows, self.dest_rows, lattice.lse, lattice.skew_blank,
+            lattice.skew_label, row0, n, self.v, self.blank, self.gate_scale, BR=br, BN=bn,
+            EVEN=bn == self.v, STAGES=STATS_STAGES, num_warps=warps,
         )  # fmt: skip
 
 
 class _Lattice:
-    """Per-row lattice values of a batch (one per row of the layout): log-sum-exp, transition
-    log-probabilities and posteriors (fp32), alpha and beta (fp64); log P per utterance (fp64).
+    """Lattice values of a batch: per row of the layout the log-sum-exp and the posteriors
+    (fp32); per diagonal-major cell (`_diagonals`) the transition log-probabilities (fp32) and
+    alpha and beta (fp64); log P per utterance (fp64).
     """
 
     def __init__(self, prob: _Problem):
         self.prob = prob
-        rows, dev = prob.layout.n_rows, prob.dev
-        (self.lse, self.lp_blank, self.lp_label, self.occ, self.w_blank,
-         self.w_label) = torch.empty(6, rows, device=dev)  # fmt: skip
-        self.alpha, self.beta = torch.empty(2, rows, dtype=torch.float64, device=dev)
+        rows, cells, dev = prob.layout.n_rows, prob.layout.skew_cells, prob.dev
+        self.lse, self.occ, self.w_blank, self.w_label = torch.empty(4, rows, device=dev)
+        # cells no move enters stay unset (no kernel reads them); the CUDA walk reads up to
+        # OVERREAD cells past the last diagonal
+        self.skew_blank, self.skew_label = torch.empty(2, cells + lattice_walk.OVERREAD, device=dev)
+        self.alpha, self.beta = torch.empty(2, cells, dtype=torch.float64, device=dev)
         self.log_lik = torch.empty(prob.bsz, dtype=torch.float64, device=dev)
         self.block_u = max(16, triton.next_power_of_2(prob.u1))
 
@@ -854,10 +923,18 @@ class _Lattice:
         """alpha, beta and log P of utterances [b0, b0 + bc), whose rows' log-probabilities
         must be in place."""
         prob = self.prob
+        packed = prob.layout.packed
+        if prob.cuda_walk:
+            lattice_walk.walk(
+                self.skew_blank, self.skew_label, prob.soffs, prob.f_lens,
+                prob.target_lens, self.alpha, self.beta, self.log_lik, b0, bc, prob.t_max,
+                prob.u1, packed,
+            )  # fmt: skip
+            return
         _lattice_kernel[(bc, 2)](
-            self.lp_blank, self.lp_label, prob.offs, prob.f_lens, prob.target_lens,
+            self.skew_blank, self.skew_label, prob.soffs, prob.f_lens, prob.target_lens,
             self.alpha, self.beta, self.log_lik, b0, prob.t_max, prob.u1, BLOCK_U=self.block_u,
-            PACKED=prob.layout.packed, HW_LOG2=prob.compiled, num_warps=LATTICE_WARPS,
+            PACKED=packed, HW_LOG2=prob.compiled, num_warps=LATTICE_WARPS,
         )  # fmt: skip
 
     def posteriors(self, b0: int, bc: int, weights: torch.Tensor | None = None):
@@ -866,8 +943,9 @@ class _Lattice:
         prob = self.prob
         bt = max(1, 2048 // self.block_u)
         _posteriors_kernel[(bc, triton.cdiv(prob.t_max, bt))](
-            self.lp_blank, self.lp_label, prob.offs, prob.f_lens, prob.target_lens,
-            self.alpha, self.beta, self.log_lik, self.log_lik if weights is None else weights,
+            self.skew_blank, self.skew_label, prob.offs, prob.soffs, prob.f_lens,
+            prob.target_lens, self.alpha, self.beta, self.log_lik,
+            self.log_lik if weights is None else weights,
             self.occ, self.w_blank, self.w_label, b0, prob.t_max, prob.u1, BT=bt,
             BLOCK_U=self.block_u, PACKED=prob.layout.packed, WEIGHTED=weights is not None,
         )  # fmt: skip

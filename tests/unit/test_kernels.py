@@ -119,6 +119,25 @@ def lattice_rows(x, lens, packed):
     return torch.cat([x[b, :t, : u + 1].reshape(-1, *x.shape[3:]) for b, (t, u) in enumerate(lens)])
 
 
+def diagonal_major(skew_blank, skew_label, lp_blank, lp_label, lens, layout):
+    """Writes (B, T, U+1) transition log-probabilities where the lattice walk reads them: each
+    at the diagonal-major cell its move enters (joint_loss._diagonals)."""
+    align = jl.SKEW_ALIGN.value
+    t_max, u1 = lp_blank.shape[1:]
+    for b, (t_len, u_len) in enumerate(lens):
+        if layout.packed:
+            first, width = layout.skew_starts[b], (u_len + align) // align * align
+        else:
+            width = (u1 + align - 1) // align * align
+            first = b * (t_max + u1) * width
+        for t in range(t_len):
+            for u in range(u_len + 1):
+                cell = first + (t + 1 + u) * width + u  # (t + 1, u); (t, u + 1) is cell + 1
+                skew_blank[cell] = lp_blank[b, t, u]
+                if u < u_len:
+                    skew_label[cell + 1] = lp_label[b, t, u]
+
+
 @ONE_PASS
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_chunked_lattice_and_split_label_tiles_match_the_reference(monkeypatch, packed, one_pass):
@@ -168,8 +187,8 @@ def test_lattice_posteriors_count_every_path_s_blanks_and_labels(packed):
     prob = jl._Problem(unused, unused, unused[0, :2], unused[0, :2, 0], f_lens, targets,
                        target_lens, host, 1, 0.0, 0, "cublas")  # fmt: skip
     lattice = jl._Lattice(prob)
-    lattice.lp_blank.copy_(lattice_rows(lp[..., 1], lens, packed))
-    lattice.lp_label.copy_(lattice_rows(lp[..., 0], lens, packed))
+    diagonal_major(lattice.skew_blank, lattice.skew_label, lp[..., 1], lp[..., 0], lens,
+                   prob.layout)  # fmt: skip
     # two calls, as the one-pass schedule makes one per chunk of utterances
     for b0, bc in ((0, 2), (2, bsz - 2)):
         lattice.solve(b0, bc)
@@ -365,21 +384,26 @@ def test_stats_from_gemm_partials_equal_the_stats_kernel_s(vocab):
     top = tiles.amax(-1)
     part = torch.stack([top, torch.exp2(tiles - top[..., None]).sum(-1)], -1).float()
     row0 = 5  # the chunk's rows start at batch row 5
+    # each row's log-probabilities go to its cell (blank) and the next (label): here reversed
+    dest = (2 * torch.arange(n + row0, 0, -1, dtype=torch.int32)).to(DEVICE)
     outs = {}
     for name in ("partials", "stats"):
-        lse, lpb, lpl = torch.full((3, n + row0), 9.0, device=DEVICE)
+        lse = torch.full((n + row0,), 9.0, device=DEVICE)
+        skb, skl = torch.full((2, 2 * (n + row0) + 2), 9.0, device=DEVICE)
         if name == "partials":
             jl._stats_from_partials_kernel[(triton.cdiv(n, 16),)](
-                part, logits, bias, labels, lse, lpb, lpl, row0, n, vocab, blank, gate_scale,
-                NT=vocab // 128, NTP=triton.next_power_of_2(vocab // 128), BR=16,
+                part, logits, bias, labels, dest, lse, skb, skl, row0, n, vocab, blank,
+                gate_scale, NT=vocab // 128, NTP=triton.next_power_of_2(vocab // 128), BR=16,
             )  # fmt: skip
         else:
             jl._logit_stats_kernel[(2,)](
-                logits, bias, labels, lse, lpb, lpl, row0, n, vocab, blank, gate_scale, BR=4,
-                BN=triton.next_power_of_2(vocab), EVEN=vocab == 1024, STAGES=1,
+                logits, bias, labels, dest, lse, skb, skl, row0, n, vocab, blank, gate_scale,
+                BR=4, BN=triton.next_power_of_2(vocab), EVEN=vocab == 1024, STAGES=1,
             )  # fmt: skip
         assert (lse[:row0] == 9.0).all(), "rows before the chunk untouched"
-        outs[name] = torch.stack([lse, lpb, lpl])[:, row0:]
+        mine = dest[row0:].long()
+        assert (skb[dest[:row0].long()] == 9.0).all() and (skb[mine + 1] == 9.0).all()
+        outs[name] = torch.stack([lse[row0:], skb[mine], skl[mine + 1]])
     torch.testing.assert_close(outs["partials"], outs["stats"], rtol=0, atol=2e-5)
     logp = torch.log_softmax(logits.double() * gate_scale + bias.double(), -1)
     want = [logp[:, blank], logp.gather(1, labels[row0:].long()[:, None])[:, 0]]
