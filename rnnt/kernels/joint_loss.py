@@ -230,9 +230,8 @@ def _lattice_kernel(
     batch's eleven from 2.89 to 1.76 ms (H200); the fp64 sums then cost 14 % and 23 % (kernel
     time in the profile: 0.59 -> 0.67 ms, 1.76 -> 2.17 ms). Loading two diagonals ahead, or
     pipelining the loads with `tl.range` stages (2, 3, 4, 6), was slower at (192, 204, 44); so
-    was this kernel reading the diagonal-major inputs (stores still by row; 0.45 -> 0.61 ms per
-    call there, 2026-11-23),
-    which only the CUDA walk's loads four diagonals ahead turn into a gain.
+    was this kernel reading diagonal-major inputs (stores still by row; 0.45 -> 0.61 ms per call
+    there, 2026-11-23): only the CUDA walk's loads four diagonals ahead make them a gain.
     """
     b = b0 + tl.program_id(0)
     t_len = tl.load(flen_ptr + b)
