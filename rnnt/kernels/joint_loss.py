@@ -63,6 +63,7 @@ Runs on CUDA tensors, and on CPU tensors under the Triton interpreter (TRITON_IN
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import os
@@ -734,9 +735,9 @@ class _Layout:
         out, b0 = [], 0
         bsz = len(self.starts) - 1
         while b0 < bsz:
-            b1 = b0 + 1
-            while b1 < bsz and self.starts[b1 + 1] - self.starts[b0] <= rows_per_chunk:
-                b1 += 1
+            # the last utterance whose rows end within the budget (bisect: this runs before the
+            # first launch, once per chunk instead of once per utterance)
+            b1 = bisect.bisect_right(self.starts, self.starts[b0] + rows_per_chunk, b0 + 2) - 1
             out.append((b0, b1 - b0))
             b0 = b1
         return out
@@ -847,8 +848,7 @@ class _Problem:
         self.cuda_walk = (
             self.compiled and self.u1 <= lattice_walk.MAX_U1 and lattice_walk.available(self.dev)
         )
-        if self.sm90:
-            self.bias32 = self.bias.float()
+        self.bias32 = None  # the sm90 GEMM's fp32 bias, made after the first launch
 
     def chunks(self, backward: bool, stats: bool) -> _Chunks:
         """Chunk buffers for `logits` (with `stats`: the forward's, which also fill what `stats`
@@ -864,12 +864,15 @@ class _Problem:
         _hidden_kernel[(bc * self.t_max, triton.cdiv(self.u1, HIDDEN_U_TILE))](
             self.f, self.g, self.f_lens, self.target_lens, self.offs, self.soffs, h, self.targets,
             self.targets.stride(0), self.label_rows, self.dest_rows, b0, row0, self.t_max, self.u1,
-            self.hid,
-            self.v, *self.dropout, BU=HIDDEN_U_TILE, HP=_hp(self.hid), DROPOUT=self.has_dropout,
-            PACKED=layout.packed, GATE_ASM=self.gate_asm, LABELS=forward, num_warps=HIDDEN_WARPS,
+            self.hid, self.v, *self.dropout, BU=HIDDEN_U_TILE, HP=_hp(self.hid),
+            DROPOUT=self.has_dropout, PACKED=layout.packed, GATE_ASM=self.gate_asm, LABELS=forward,
+            num_warps=HIDDEN_WARPS,
         )  # fmt: skip
         w_t = self.weight.t()
         if forward and self.sm90:
+            if self.bias32 is None:
+                # not before the first launch: a synchronized call's GPU waits for that
+                self.bias32 = self.bias.float()
             logits_gemm.logits_with_partials(
                 h, self.weight, self.bias32, self.gate_scale * _LOG2E.value, logits,
                 chunk.partials,
