@@ -183,7 +183,7 @@ class TransducerLoss:
             self._taf = taf
         elif backend == "fused":
             try:
-                from rnnt.kernels import fused_joint_loss, logits_gemm
+                from rnnt.kernels import fused_joint_loss, lattice_walk, logits_gemm
             except ImportError as err:
                 raise _import_error(backend, "Triton (rnnt.kernels)", err) from None
             if fused_gemm not in logits_gemm.GEMMS:
@@ -193,6 +193,7 @@ class TransducerLoss:
                 )
             self._fused_fn = fused_joint_loss
             self._logits_gemm = logits_gemm
+            self._lattice_walk = lattice_walk
         elif backend == "apex":
             try:
                 from apex.contrib.transducer import TransducerJoint as ApexJoint
@@ -203,13 +204,17 @@ class TransducerLoss:
             self._apex_loss = ApexLoss(fuse_softmax_backward=True, opt=1, packed_input=True)
 
     def prepare(self, joint: torch.nn.Module) -> bool:
-        """Settle the fused backend's logits GEMM for `joint`'s device and dtype now (building
-        the sm90 kernel if it is chosen), so a trainer pays that before its clock starts.
-        Whether the sm90 kernel is used; False for the other backends."""
+        """Settle the fused backend's CUDA C++ kernels for `joint`'s device and dtype now
+        (building the sm90 logits GEMM if it is chosen, and the lattice walk), so a trainer pays
+        that before its clock starts. Whether the sm90 GEMM is used; False for the other
+        backends."""
         if self.backend != "fused":
             return False
         weight = joint.fc.weight
-        return weight.is_cuda and self._logits_gemm.use_sm90(
+        if not weight.is_cuda:
+            return False
+        self._lattice_walk.available(weight.device)
+        return self._logits_gemm.use_sm90(
             self.fused_gemm, weight.device, weight.dtype, weight.shape[1], weight.shape[0]
         )
 

@@ -119,3 +119,22 @@ def test_gpu_fused_loss_is_the_same_with_either_walk(monkeypatch):
     assert torch.equal(loss_cuda, loss_triton)
     for a, b in zip(grads_cuda, grads_triton, strict=True):
         assert torch.equal(a, b)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_transducer_loss_prepare_builds_the_walk(tmp_path, monkeypatch):
+    from rnnt.config import ModelConfig
+    from rnnt.loss import TransducerLoss
+    from rnnt.model import Joint
+
+    monkeypatch.setenv(cuda_build.CACHE_ENV, str(tmp_path))
+    cuda_build.load.cache_clear()
+    lattice_walk.available.cache_clear()
+    try:
+        TransducerLoss("fused", 1023).prepare(Joint(ModelConfig()).cuda().half())
+        assert list(tmp_path.glob("lattice_walk-*.so")), "prepare builds the walk"
+        assert lattice_walk.available(torch.device("cuda"))
+    finally:
+        cuda_build.load.cache_clear()
+        lattice_walk.available.cache_clear()
