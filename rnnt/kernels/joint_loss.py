@@ -33,10 +33,10 @@ Steps 4-5 need the loss's output gradient only as a factor when that is one numb
 backward scales the stored df, dg, dW, d bias. Three GEMMs of rows x H x V, h generated once.
 With per-utterance output gradients (reduction 'none') the forward stops after step 3 and a
 whole-batch lattice; the backward redoes steps 1-2 and runs 5 with each utterance's weight:
-four GEMMs. All row-wise kernels read and write per-row vectors, so none of their loads waits
-on another, and the lattice values are addressed by row (no (B, T, U+1) copies) except the
-walk's: its inputs, alpha and beta are diagonal-major (`_diagonals`), so a step's loads and stores
-are contiguous.
+four GEMMs. All row-wise kernels read per-row vectors, so none of their loads waits on
+another. The lattice values are addressed by row (no (B, T, U+1) copies) except the walk's: its
+inputs, alpha and beta are diagonal-major (`_diagonals`), so a step's loads and stores are
+contiguous; the stats kernels store the inputs there.
 
 Measured on one H200 (fp16, dropout 0.3, torch 2.11, Triton 3.6), forward + backward of the
 mean with cuBLAS logits: (B, T, U) = (192, 204, 44) 12.9-13.1 ms over three runs and 1.68 GiB
@@ -221,8 +221,8 @@ def _lattice_kernel(
     One anti-diagonal n = t + u per step, lane u holding cell (n - u, u): the diagonal stays in
     registers and the neighbour on the previous diagonal is a lane shift (`tl.gather`), so the
     only memory traffic of the sequential walk are the two transition log-probabilities per
-    cell, loaded one diagonal ahead of their use (contiguous: `_diagonals`),
-    and the diagonal's stores. Only cells inside the lattice are written.
+    cell, loaded one diagonal ahead of their use (contiguous: `_diagonals`), and the diagonal's
+    stores. Only cells inside the lattice are written.
     alpha and beta are summed in fp64: in fp32 their rounding (a few 1e-5 at -log P ~ 700)
     became 1.5e-4 relative errors in the posteriors exp(alpha + lp + beta - log P) and so in
     the gradients; in fp64 they are within 4e-6 of an fp64 reference.
@@ -466,8 +466,8 @@ def _logit_stats_kernel(
     """Per chunk row r: the log-sum-exp over the classes (at batch row row0 + r) and the
     log-probabilities of blank and of the target label (at the row's diagonal-major cell, the
     label's one lane on: `_diagonals`; a row with no label move writes one that no kernel
-    reads). The logits are gate_scale * (the
-    buffer's h W^T, h without dropout's 1 / (1 - p)) + bias, formed in fp32.
+    reads). The logits are gate_scale * (the buffer's h W^T, h without dropout's 1 / (1 - p))
+    + bias, formed in fp32.
 
     Persistent: program p takes blocks p, p + P, ... of BR whole rows (BN >= V), so each logit
     is read once with no online rescale; the blank and target logits are two gathers. Every
@@ -819,8 +819,9 @@ class _Problem:
         self.layout = layout = _Layout(host_lens, self.bsz, self.t_max, self.u1)
         if max(layout.n_rows, layout.skew_cells) >= 2**31:
             raise ValueError(
-                f"fused joint loss: {layout.n_rows} lattice rows (B T (U+1)) exceed the int32 "
-                "row offsets; split the batch"
+                f"fused joint loss: {layout.n_rows} lattice rows (B T (U+1)) and "
+                f"{layout.skew_cells} diagonal-major cells must each stay below 2^31 (int32 "
+                "offsets); split the batch"
             )
         if host_lens is None:
             self.f_lens = f_lens.to(self.dev, torch.int32).contiguous()
@@ -922,8 +923,8 @@ class _Lattice:
         self.block_u = max(16, triton.next_power_of_2(prob.u1))
 
     def solve(self, b0: int, bc: int) -> None:
-        """alpha, beta and log P of utterances [b0, b0 + bc), whose rows' log-probabilities
-        must be in place."""
+        """alpha, beta and log P of utterances [b0, b0 + bc), whose transition
+        log-probabilities the stats kernels must have stored."""
         prob = self.prob
         packed = prob.layout.packed
         if prob.cuda_walk:

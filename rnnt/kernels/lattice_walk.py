@@ -21,8 +21,9 @@ from rnnt.kernels.cuda_build import BuildError, load
 
 SOURCE = Path(__file__).parent / "csrc" / "lattice_walk.cu"
 MAX_U1 = 256
-# cells the kernel may read past the last diagonal-major cell (lanes past a diagonal's width)
-OVERREAD = 256
+# cells the kernel may read past the last diagonal-major cell: a warp loads MAX_U1 lanes of a
+# diagonal whatever its width
+OVERREAD = MAX_U1
 
 
 def _flags(capability: tuple[int, int]) -> tuple[str, ...]:

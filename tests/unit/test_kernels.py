@@ -124,18 +124,18 @@ def diagonal_major(skew_blank, skew_label, lp_blank, lp_label, lens, layout):
     at the diagonal-major cell its move enters (joint_loss._diagonals)."""
     align = jl.SKEW_ALIGN.value
     t_max, u1 = lp_blank.shape[1:]
+    dev = skew_blank.device
     for b, (t_len, u_len) in enumerate(lens):
         if layout.packed:
             first, width = layout.skew_starts[b], (u_len + align) // align * align
         else:
             width = (u1 + align - 1) // align * align
             first = b * (t_max + u1) * width
-        for t in range(t_len):
-            for u in range(u_len + 1):
-                cell = first + (t + 1 + u) * width + u  # (t + 1, u); (t, u + 1) is cell + 1
-                skew_blank[cell] = lp_blank[b, t, u]
-                if u < u_len:
-                    skew_label[cell + 1] = lp_label[b, t, u]
+        t = torch.arange(t_len, device=dev)[:, None]
+        u = torch.arange(u_len + 1, device=dev)[None, :]
+        cell = first + (t + 1 + u) * width + u  # (t + 1, u); (t, u + 1) is cell + 1
+        skew_blank[cell] = lp_blank[b, :t_len, : u_len + 1]
+        skew_label[cell[:, :u_len] + 1] = lp_label[b, :t_len, :u_len]
 
 
 @ONE_PASS

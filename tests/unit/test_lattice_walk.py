@@ -15,6 +15,7 @@ import triton  # noqa: E402
 
 from rnnt.kernels import cuda_build, lattice_walk  # noqa: E402
 from rnnt.kernels import joint_loss as jl  # noqa: E402
+from tests.unit.test_kernels import diagonal_major  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -45,18 +46,12 @@ def walk_both(lens, packed, b0, bc, seed=0):
     f_lens, t_lens = (torch.tensor(x, dtype=torch.int32, device=dev) for x in host)
     soffs = torch.tensor(layout.skew_starts or [0], dtype=torch.int32, device=dev)
     # the walk's inputs: random log-probabilities at each utterance's diagonal-major cells
+    # (NaN elsewhere: cells no move enters must not be read)
     skb, skl = torch.full((2, layout.skew_cells + lattice_walk.OVERREAD), float("nan"), device=dev)
-    align = jl.SKEW_ALIGN.value
+    lp_blank = torch.log(torch.rand(bsz, t_max, u1, device=dev, generator=gen) * 0.9 + 0.05)
+    lp_label = torch.log(torch.rand(bsz, t_max, u1, device=dev, generator=gen) * 0.5 + 0.01)
+    diagonal_major(skb, skl, lp_blank, lp_label, lens, layout)
     block_u = max(16, triton.next_power_of_2(u1))
-    for b, (t_len, u_len) in enumerate(lens):
-        width = (u_len + align) // align * align if packed else (u1 + align - 1) // align * align
-        first = layout.skew_starts[b] if packed else b * (t_max + u1) * width
-        t = torch.arange(t_len, device=dev)[:, None]
-        u = torch.arange(u_len + 1, device=dev)[None, :]
-        cell = (first + (t + 1 + u) * width + u).flatten()  # (t + 1, u); (t, u + 1) is next
-        skb[cell] = torch.log(torch.rand(cell.numel(), device=dev, generator=gen) * 0.9 + 0.05)
-        label = cell[(u < u_len).expand(t_len, -1).flatten()] + 1
-        skl[label] = torch.log(torch.rand(label.numel(), device=dev, generator=gen) * 0.5 + 0.01)
     out = []
     for cuda in (False, True):
         alpha, beta = torch.full(
