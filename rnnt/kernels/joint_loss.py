@@ -13,7 +13,8 @@ The lattice rows are walked in chunks of whole utterances whose h (rows x H), lo
 d(logits) (rows x V, one buffer) and dh fit in CHUNK_BYTES; nothing proportional to
 B T (U+1) H or B T (U+1) V is ever allocated. Per chunk:
     1. `_hidden_kernel` writes h = keep * relu(f + g) (zero rows outside each utterance's
-       lattice). Dropout's 1 / (1 - p) is left to the fp32 steps: it rides on the row kernels'
+       lattice) and, when gradients are wanted, one bit per unit saying h != 0 (the gate).
+       Dropout's 1 / (1 - p) is left to the fp32 steps: it rides on the row kernels'
        multiply-adds and on the final gradient scales, and costs no pass.
     2. cuBLAS: logits / (1 - p) = h @ W^T (tensor cores, fp32 accumulation).
     3. `_logit_stats_kernel` keeps each row's log-sum-exp and blank / target log-probabilities
@@ -27,7 +28,7 @@ B T (U+1) H or B T (U+1) V is ever allocated. Per chunk:
        occupancy and blank / label transition posteriors.
     5. `_dlogits_kernel` overwrites the logits with d(logits) = occupancy * softmax - blank /
        label posteriors; cuBLAS forms dW += d(logits)^T h (fp32) and dh = d(logits) W; and
-       `_grad_fg_kernel` reduces dh * relu' over u (df) and over t (dg).
+       `_grad_fg_kernel` reduces dh * gate over u (df) and over t (dg).
 Steps 4-5 need the loss's output gradient only as a factor when that is one number (reduction
 'mean' or 'sum', what training uses): they run in the forward pass, with unit weights, and the
 backward scales the stored df, dg, dW, d bias. Three GEMMs of rows x H x V, h generated once.
@@ -102,10 +103,11 @@ HIDDEN_U_TILE = 16  # label states per program of `_hidden_kernel` (one frame, a
 HIDDEN_WARPS = 4
 LATTICE_WARPS = 1  # `_lattice_kernel`: the diagonal's lane shifts stay inside one warp
 FG_H_TILE = 64  # hidden units per program of the df / dg reduction
-# Elements of the df / dg tile per thread (warps = BU FG_H_TILE / 32 / this, at least 2). 64
-# against 32 (4 warps on every tile): 0.286 -> 0.230 ms per 385k-row chunk at (192, 204, 44)
-# (BU 64); the ragged batch's BU 128 tiles were 3 % slower with 2 warps than with 4.
-FG_ELEMENTS_PER_THREAD = 64
+# Warps per df / dg program: 2, so each thread keeps twice the loads in flight of 4 warps.
+# Probes on an H200, one chunk, BU = 64 / 128 rows x 64 units per program: reading h, 0.286 ->
+# 0.230 ms at (192, 204, 44) and flat on the ragged batch (0.328 / 0.329); reading the gate
+# bits, 0.30 -> 0.17 and 0.36 -> 0.29 ms.
+FG_WARPS = 2
 FG_PROGRAMS_PER_SM = 16  # frame splits are added until the reduction has this many programs
 MAX_FG_U_TILE = 128  # label states per program there; more than this and df uses atomics
 # Loads software-pipelined this many loop iterations deep (`tl.range` stages): each program
@@ -349,7 +351,7 @@ def _chunk_row(b, t, u, u_len, pid, offs_ptr, row0, T, U1, PACKED: tl.constexpr)
 # math. The hidden kernel is bound by instruction issue, not memory, and this takes 752 sm_90
 # instructions per thread (64 units) where fp32 math with per-unit compares and selects takes
 # 1,152 (the dropout hash is most of what is left). $1, $2: f and g pairs;
-# $3: the pair's hash; $5: the drop threshold in both 16-bit halves (0x80008000 drops both, a
+# $3: the pair's hash; $4: the drop threshold in both 16-bit halves (0x80008000 drops both, a
 # row outside the lattice). With the 15-bit halves of the hash topped up to 0x8000, the
 # subtraction cannot borrow across halves, and bit 15 of each half says "kept"; prmt copies it
 # over its half (sign-replicating bytes 1 and 3).
@@ -359,7 +361,7 @@ mov.b32 z, 0;
 {add}
 max.{ty}x2 s, s, z;
 or.b32 y, $3, 0x80008000;
-sub.u32 y, y, $5;
+sub.u32 y, y, $4;
 prmt.b32 y, y, y, 0xBB99;
 and.b32 $0, s, y;
 }"""
@@ -372,9 +374,10 @@ _ASM_ADD = {
 
 
 @functools.cache  # it runs before every call's first launch
-def _gate_asm(dtype: torch.dtype, device: torch.device) -> str:
-    """`_ASM_GATE` for a half-precision dtype on an sm_80+ GPU, "" otherwise (fp32 math)."""
-    if dtype not in _ASM_ADD or torch.cuda.get_device_capability(device) < (8, 0):
+def _gate_asm(dtype: torch.dtype, device: torch.device, hid: int) -> str:
+    """`_ASM_GATE` for a half-precision dtype on an sm_80+ GPU, "" otherwise (fp32 math, and
+    for an odd joint width, whose unit pairs would straddle rows)."""
+    if dtype not in _ASM_ADD or hid % 2 or torch.cuda.get_device_capability(device) < (8, 0):
         return ""
     ty, add = _ASM_ADD[dtype]
     return _ASM_GATE.replace("{add}", add).replace("{ty}", ty)
@@ -382,24 +385,28 @@ def _gate_asm(dtype: torch.dtype, device: torch.device) -> str:
 
 @triton.jit
 def _gate_pairs(fv, gv, bits, thr_row, ASM: tl.constexpr):
-    """keep * relu(f + g) of (M, HP) half-precision units with the unit-pair hashes `bits`
-    (M, HP // 2) and per-row thresholds `thr_row` (M,) (of `_keep`, > 2^15 - 1 drops the row),
-    in packed math (ASM: `_gate_asm` of their dtype)."""
+    """keep * relu(f + g) of (M, HP // 2) half-precision unit pairs held as 32-bit words, with
+    the unit-pair hashes `bits` (M, HP // 2) and per-row thresholds `thr_row` (M,) (of `_keep`,
+    > 2^15 - 1 drops the row), in packed math (ASM: `_gate_asm` of their dtype).
+
+    Pairs as words, not the (M, HP) halves with each hash interleaved twice: the interleave
+    spreads a pair over two lanes, so h was loaded and stored 2 bytes per lane."""
     return tl.inline_asm_elementwise(
         ASM,
-        "=r,r,r,r,r,r,r",
-        [fv, gv, tl.interleave(bits, bits), tl.broadcast_to(thr_row[:, None], gv.shape)],
-        dtype=gv.dtype,
+        "=r,r,r,r,r",
+        [fv, gv, bits, tl.broadcast_to(thr_row[:, None], gv.shape)],
+        dtype=tl.uint32,
         is_pure=True,
-        pack=2,
+        pack=1,
     )
 
 
 @triton.jit(do_not_specialize=["T", "U1", "seed", "b0", "row0"])
 def _hidden_kernel(
-    f_ptr, g_ptr, flen_ptr, tlen_ptr, offs_ptr, soffs_ptr, h_ptr, tgt_ptr, tgt_stride, label_ptr,
-    dest_ptr, b0, row0, T, U1, H, V, seed, drop_thr, BU: tl.constexpr, HP: tl.constexpr,
-    DROPOUT: tl.constexpr, PACKED: tl.constexpr, GATE_ASM: tl.constexpr, LABELS: tl.constexpr,
+    f_ptr, g_ptr, flen_ptr, tlen_ptr, offs_ptr, soffs_ptr, h_ptr, gate_ptr, tgt_ptr, tgt_stride,
+    label_ptr, dest_ptr, b0, row0, T, U1, H, V, seed, drop_thr, BU: tl.constexpr,
+    HP: tl.constexpr, DROPOUT: tl.constexpr, PACKED: tl.constexpr, GATE_ASM: tl.constexpr,
+    LABELS: tl.constexpr, GATES: tl.constexpr,
 ):  # fmt: skip
     """h rows of one frame: h[(b, t, u)] = keep * relu(f[b, t] + g[b, u]), without dropout's
     1 / (1 - p) (the row kernels and the gradients apply it in fp32); padded rows outside the
@@ -411,6 +418,9 @@ def _hidden_kernel(
     [0, V) (0 where u >= U_b, which no label transition reads), for the row kernels' gathers,
     and where the stats kernels store the rows' log-probabilities: the diagonal-major cell
     (t + 1, u) (`_diagonals`).
+    GATES: also each row's gates, HP / 8 bytes at gate_ptr + row HP / 8: bit k % 8 of byte
+    k // 8 is set where unit k's ReLU and dropout gate is open (h != 0), which is all that the
+    df / dg reduction needs of h (it reads 1/16 of the bytes).
     """
     pid = tl.program_id(0)
     b = b0 + pid // T
@@ -422,15 +432,20 @@ def _hidden_kernel(
     if PACKED:
         live = (t < t_len) & (tl.program_id(1) * BU <= u_len)
     if live:
-        k = tl.arange(0, HP)
-        k_ok = k < H
         row_ok = (u <= u_len) & (t + 0 * u < t_len)
+        row = _chunk_row(b, t, u, u_len, pid, offs_ptr, row0, T, U1, PACKED)
+        rows_ok = row_ok if PACKED else u < U1  # the rows this program owns
         # f and g are read whatever the lengths (padding is finite, zeroed below): in the
         # padded layout these loads then do not wait for the lengths' loads.
-        fv = tl.load(f_ptr + (b * T + t).to(tl.int64) * H + k, mask=k_ok, other=0.0)
-        gv = tl.load(g_ptr + (b * U1 + u).to(tl.int64)[:, None] * H + k[None, :],
-                     mask=(u < U1)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         if GATE_ASM != "":
+            # unit pairs (2j, 2j + 1) as 32-bit words (H is even)
+            j = tl.arange(0, HP // 2)
+            j_ok = j < H // 2
+            f_off = (b * T + t).to(tl.int64) * (H // 2) + j
+            fv = tl.load(f_ptr.to(tl.pointer_type(tl.uint32)) + f_off, mask=j_ok, other=0)
+            g_off = (b * U1 + u).to(tl.int64)[:, None] * (H // 2) + j[None, :]
+            gv = tl.load(g_ptr.to(tl.pointer_type(tl.uint32)) + g_off,
+                         mask=(u < U1)[:, None] & j_ok[None, :], other=0)  # fmt: skip
             if DROPOUT:
                 bits = _pair_bits(seed, b + 0 * u, t + 0 * u, u, U1, H, HP)
                 thr = (drop_thr * 0x10001).to(tl.uint32, bitcast=True)
@@ -438,28 +453,46 @@ def _hidden_kernel(
                 bits = tl.zeros((BU, HP // 2), tl.uint32)
                 thr = tl.zeros((), tl.uint32)
             thr_row = tl.where(row_ok, thr, tl.full((), 0x80008000, tl.uint32))
-            h = _gate_pairs(fv[None, :], gv, bits, thr_row, GATE_ASM)
+            pairs = _gate_pairs(fv[None, :], gv, bits, thr_row, GATE_ASM)
+            h_off = row[:, None] * (H // 2) + j[None, :]
+            tl.store(h_ptr.to(tl.pointer_type(tl.uint32)) + h_off, pairs,
+                     mask=rows_ok[:, None] & j_ok[None, :])  # fmt: skip
+            if GATES:
+                # Bit 15 / 31 set where the low / high half is nonzero (-0 counts as closed, as
+                # in h > 0): the sum of 15-bit halves carries into bit 15 exactly then. Pair i
+                # of 4 moves them to bits 2i and 16 + 2i, folded into one byte (three integer
+                # ops a pair; compares and selects made the kernel 20 % slower, not 2 %).
+                open_ = ((pairs & 0x7FFF7FFF) + 0x7FFF7FFF) & 0x80008000
+                shift = (15 - 2 * tl.arange(0, 4)).to(tl.uint32)
+                gates = tl.sum(tl.reshape(open_, (BU, HP // 8, 4)) >> shift[None, None, :], axis=2)
+                gates = gates | (gates >> 15)
         else:
+            k = tl.arange(0, HP)
+            k_ok = k < H
+            fv = tl.load(f_ptr + (b * T + t).to(tl.int64) * H + k, mask=k_ok, other=0.0)
+            gv = tl.load(g_ptr + (b * U1 + u).to(tl.int64)[:, None] * H + k[None, :],
+                         mask=(u < U1)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
             h = tl.maximum(fv.to(tl.float32)[None, :] + gv.to(tl.float32), 0.0)
             if DROPOUT:
                 keep = _keep(seed, b + 0 * u, t + 0 * u, u, U1, H, drop_thr, HP)
                 h = tl.where(keep, h, 0.0)
-            h = tl.where(row_ok[:, None], h, 0.0)
-        row = _chunk_row(b, t, u, u_len, pid, offs_ptr, row0, T, U1, PACKED)
-        if PACKED:
-            store_ok = row_ok[:, None] & k_ok[None, :]
-        else:
-            store_ok = (u < U1)[:, None] & k_ok[None, :]
-        tl.store(h_ptr + row[:, None] * H + k[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=store_ok)  # fmt: skip
+            h = tl.where(row_ok[:, None], h, 0.0).to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row[:, None] * H + k[None, :], h,
+                     mask=rows_ok[:, None] & k_ok[None, :])  # fmt: skip
+            if GATES:
+                open_ = tl.reshape((h != 0).to(tl.uint8), (BU, HP // 8, 8))
+                gates = tl.sum(open_ << tl.arange(0, 8).to(tl.uint8)[None, None, :], axis=2)
+        if GATES:
+            kb = tl.arange(0, HP // 8)
+            tl.store(gate_ptr + row[:, None] * (HP // 8) + kb[None, :], gates.to(tl.uint8),
+                     mask=rows_ok[:, None])  # fmt: skip
         if LABELS:
             label = tl.load(tgt_ptr + b.to(tl.int64) * tgt_stride + u, mask=u < u_len, other=0)
             label = tl.minimum(tl.maximum(label, 0), V - 1).to(tl.int32)
-            label_ok = row_ok if PACKED else u < U1
-            tl.store(label_ptr + row0 + row, label, mask=label_ok)
+            tl.store(label_ptr + row0 + row, label, mask=rows_ok)
             sfirst, width = _diagonals(b, u_len, soffs_ptr, T, U1, PACKED)
             dest = sfirst + (t + 1 + u) * width + u
-            tl.store(dest_ptr + row0 + row, dest.to(tl.int32), mask=label_ok)
+            tl.store(dest_ptr + row0 + row, dest.to(tl.int32), mask=rows_ok)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows"])
@@ -591,22 +624,23 @@ def _dlogits_kernel(
 
 @triton.jit(do_not_specialize=["T", "U1", "b0", "row0", "BC", "t_per_split"])
 def _grad_fg_kernel(
-    dh_ptr, h_ptr, flen_ptr, tlen_ptr, offs_ptr, df_ptr, dg_part_ptr, b0, row0, BC, T, U1, H,
-    t_per_split, BU: tl.constexpr, BK: tl.constexpr, ATOMIC_DF: tl.constexpr,
+    dh_ptr, gate_ptr, flen_ptr, tlen_ptr, offs_ptr, df_ptr, dg_part_ptr, b0, row0, BC, T, U1, H,
+    t_per_split, BU: tl.constexpr, BK: tl.constexpr, HP: tl.constexpr, ATOMIC_DF: tl.constexpr,
     PACKED: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """df[b, t] = sum_u dpre[b, t, u] and per frame-split partials of dg[b, u] = sum_t
     dpre[b, t, u], with dpre = dh * relu'.
 
-    h holds keep * relu(.), so h > 0 is exactly where the gate is open (the gate's value,
-    1 / (1 - p), is applied by the caller). Program (utterance, H-slice, split x U-tile)
-    walks its frames; df is stored directly when one U-tile covers U+1 (no atomics), and the
-    dg partials (splits, BC >= chunk utterances, U+1, H) are summed by the caller
-    (deterministic).
+    relu' (ReLU and dropout gate open, its value 1 / (1 - p) applied by the caller) comes from
+    the rows' gate bits of `_hidden_kernel` (GATES, HP / 8 bytes per row). Program (utterance,
+    H-slice, split x U-tile) walks its frames; df is stored directly when one U-tile covers
+    U+1 (no atomics), and the dg partials (splits, BC >= chunk utterances, U+1, H) are summed
+    by the caller (deterministic).
     """
     pid = tl.program_id(0)
     b = b0 + pid
     k = tl.program_id(1) * BK + tl.arange(0, BK)
+    kb = tl.program_id(1) * (BK // 8) + tl.arange(0, BK // 8)  # the gate bytes of units k
     n_u_tiles = tl.cdiv(U1, BU)
     split = tl.program_id(2) // n_u_tiles
     u = (tl.program_id(2) % n_u_tiles) * BU + tl.arange(0, BU)
@@ -614,14 +648,16 @@ def _grad_fg_kernel(
     t_len = tl.load(flen_ptr + b)
     u_len = tl.load(tlen_ptr + b)
     ok = (u <= u_len)[:, None] & k_ok[None, :]
+    gates_ok = (u <= u_len)[:, None] & (kb < HP // 8)[None, :]
     dg = tl.zeros((BU, BK), tl.float32)
     t_start = split * t_per_split
     for t in tl.range(t_start, tl.minimum(t_start + t_per_split, t_len), num_stages=STAGES):
         row = _chunk_row(b, t, u, u_len, pid * T + t, offs_ptr, row0, T, U1, PACKED)
-        offs = row[:, None] * H + k[None, :]
-        dh = tl.load(dh_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        h = tl.load(h_ptr + offs, mask=ok, other=0.0)
-        dpre = tl.where(h > 0, dh, 0.0)
+        dh = tl.load(dh_ptr + row[:, None] * H + k[None, :], mask=ok, other=0.0).to(tl.float32)
+        gates = tl.load(gate_ptr + row[:, None] * (HP // 8) + kb[None, :], mask=gates_ok,
+                        other=0)  # fmt: skip
+        gates = tl.reshape(tl.broadcast_to(gates[:, :, None], (BU, BK // 8, 8)), (BU, BK))
+        dpre = tl.where(((gates >> (k % 8)[None, :]) & 1) != 0, dh, 0.0)
         dg += dpre
         df_offs = (b * T + t).to(tl.int64) * H + k
         if ATOMIC_DF:
@@ -673,11 +709,11 @@ def joint_hidden(f, g, f_lens, target_lens, p: float, seed: int, packed_math: bo
     lens = (x.to(f.device, torch.int32).contiguous() for x in (f_lens, target_lens))
     unused = torch.zeros(1, dtype=torch.int32, device=f.device)  # offsets, labels, cells
     _hidden_kernel[(bsz * t_max, triton.cdiv(u1, HIDDEN_U_TILE))](
-        f.contiguous(), g.contiguous(), *lens, unused, unused, out, unused, 0, unused, unused, 0,
-        0, t_max, u1, hid, 1, seed, _threshold(p), BU=HIDDEN_U_TILE, HP=_hp(hid), DROPOUT=p > 0,
-        PACKED=False,
-        GATE_ASM=_gate_asm(f.dtype, f.device) if packed_math and _compiled(f.device) else "",
-        LABELS=False, num_warps=HIDDEN_WARPS,
+        f.contiguous(), g.contiguous(), *lens, unused, unused, out, unused, unused, 0, unused,
+        unused, 0, 0, t_max, u1, hid, 1, seed, _threshold(p), BU=HIDDEN_U_TILE, HP=_hp(hid),
+        DROPOUT=p > 0, PACKED=False,
+        GATE_ASM=_gate_asm(f.dtype, f.device, hid) if packed_math and _compiled(f.device) else "",
+        LABELS=False, GATES=False, num_warps=HIDDEN_WARPS,
     )  # fmt: skip
     return out
 
@@ -760,6 +796,8 @@ class _Chunk(NamedTuple):
     dl: torch.Tensor  # (n, V)
     dh: torch.Tensor | None  # (n, H); None without gradients
     partials: torch.Tensor | None  # (n, V / 128, 2) of the sm90 logits GEMM; None with cuBLAS
+    gates: torch.Tensor | None  # (n, HP / 8) uint8 gate bits of h (`_hidden_kernel`); None
+    # without gradients
 
 
 class _Chunks:
@@ -773,9 +811,11 @@ class _Chunks:
         logits_dtype = _logits_dtype(dtype)
         separate_dl = backward and logits_dtype != dtype
         part_width = v // logits_gemm.TILE_N * 2
+        gate_bytes = _hp(hid) // 8
         per_row = (hid * dtype.itemsize * (2 if backward else 1) + v * logits_dtype.itemsize
                    + (v * dtype.itemsize if separate_dl else 0)
-                   + (part_width * 4 if partials else 0))  # fmt: skip
+                   + (part_width * 4 if partials else 0)
+                   + (gate_bytes if backward else 0))  # fmt: skip
         starts = layout.starts
         self.spans = [
             (b0, bc, starts[b0], starts[b0 + bc] - starts[b0])
@@ -788,6 +828,9 @@ class _Chunks:
         # d(logits) overwrite the logits in place unless those are wider (bf16 inputs)
         self.dl = torch.empty(rows, v, dtype=dtype, device=device) if separate_dl else self.logits
         self.dh = torch.empty(rows, hid, dtype=dtype, device=device) if backward else None
+        self.gates = None
+        if backward:
+            self.gates = torch.empty(rows, gate_bytes, dtype=torch.uint8, device=device)
         self.partials = None
         if partials:
             self.partials = torch.empty(rows, part_width // 2, 2, device=device)
@@ -797,7 +840,8 @@ class _Chunks:
         for b0, bc, row0, n in self.spans:
             dh = None if self.dh is None else self.dh[:n]
             part = None if self.partials is None else self.partials[:n]
-            yield _Chunk(b0, bc, row0, n, self.h[:n], self.logits[:n], self.dl[:n], dh, part)
+            gates = None if self.gates is None else self.gates[:n]
+            yield _Chunk(b0, bc, row0, n, self.h[:n], self.logits[:n], self.dl[:n], dh, part, gates)
 
 
 class _Problem:
@@ -819,7 +863,7 @@ class _Problem:
         self.gate_scale = 1.0 / (1.0 - p_drop) if self.has_dropout else 1.0
         self.dropout = (seed, _threshold(p_drop))  # the hidden kernel's args
         self.compiled = _compiled(self.dev)  # not the interpreter: inline assembly allowed
-        self.gate_asm = _gate_asm(f.dtype, self.dev) if self.compiled else ""
+        self.gate_asm = _gate_asm(f.dtype, self.dev, self.hid) if self.compiled else ""
         self.layout = layout = _Layout(host_lens, self.bsz, self.t_max, self.u1)
         if max(layout.n_rows, layout.skew_cells) >= 2**31:
             raise ValueError(
@@ -867,11 +911,12 @@ class _Problem:
         b0, bc, row0, n, h, logits = chunk[:6]
         layout = self.layout
         _hidden_kernel[(bc * self.t_max, triton.cdiv(self.u1, HIDDEN_U_TILE))](
-            self.f, self.g, self.f_lens, self.target_lens, self.offs, self.soffs, h, self.targets,
-            self.targets.stride(0), self.label_rows, self.dest_rows, b0, row0, self.t_max, self.u1,
-            self.hid, self.v, *self.dropout, BU=HIDDEN_U_TILE, HP=_hp(self.hid),
-            DROPOUT=self.has_dropout, PACKED=layout.packed, GATE_ASM=self.gate_asm, LABELS=forward,
-            num_warps=HIDDEN_WARPS,
+            self.f, self.g, self.f_lens, self.target_lens, self.offs, self.soffs, h,
+            h if chunk.gates is None else chunk.gates, self.targets, self.targets.stride(0),
+            self.label_rows, self.dest_rows, b0, row0, self.t_max, self.u1, self.hid, self.v,
+            *self.dropout, BU=HIDDEN_U_TILE, HP=_hp(self.hid), DROPOUT=self.has_dropout,
+            PACKED=layout.packed, GATE_ASM=self.gate_asm, LABELS=forward,
+            GATES=chunk.gates is not None, num_warps=HIDDEN_WARPS,
         )  # fmt: skip
         w_t = self.weight.t()
         if forward and self.sm90:
@@ -971,7 +1016,6 @@ class _Gradients:
         self.gate_scale = prob.gate_scale
         self.dl_launch = _row_launch(DLOGITS_LAUNCH, v, chunks.rows, dev)
         self.bu = min(MAX_FG_U_TILE, max(16, triton.next_power_of_2(u1)))
-        self.fg_warps = max(2, self.bu * FG_H_TILE // (32 * FG_ELEMENTS_PER_THREAD))
         fg_tiles = chunks.max_bc * triton.cdiv(hid, FG_H_TILE) * triton.cdiv(u1, self.bu)
         self.splits = max(1, min(t_max, triton.cdiv(FG_PROGRAMS_PER_SM * _num_sms(dev), fg_tiles)))
         self.max_bc = chunks.max_bc
@@ -995,10 +1039,10 @@ class _Gradients:
         t_per_split = triton.cdiv(prob.t_max, self.splits)
         grid = (bc, triton.cdiv(prob.hid, FG_H_TILE), self.splits * triton.cdiv(prob.u1, self.bu))
         _grad_fg_kernel[grid](
-            dh, h, prob.f_lens, prob.target_lens, prob.offs, self.df, self.dg_part, b0,
+            dh, chunk.gates, prob.f_lens, prob.target_lens, prob.offs, self.df, self.dg_part, b0,
             row0, self.max_bc, prob.t_max, prob.u1, prob.hid, t_per_split, BU=self.bu,
-            BK=FG_H_TILE, ATOMIC_DF=prob.u1 > self.bu, PACKED=prob.layout.packed,
-            STAGES=FG_STAGES, num_warps=self.fg_warps,
+            BK=FG_H_TILE, HP=_hp(prob.hid), ATOMIC_DF=prob.u1 > self.bu, PACKED=prob.layout.packed,
+            STAGES=FG_STAGES, num_warps=FG_WARPS,
         )  # fmt: skip
         # chunks hold whole utterances: each row of dg is written once
         torch.sum(self.dg_part[:, :bc], 0, out=self.dg[b0 : b0 + bc])

@@ -236,17 +236,25 @@ def test_hidden_kernel_fills_each_row_s_h_and_target_label(monkeypatch, packed):
     leaves, f_lens, targets, target_lens = make_case(lens, 4, 24, 37)
     targets[0, 1], targets[2, 0] = -5, 99  # out of range: clamped
     host = ([t for t, _ in lens], [u for _, u in lens]) if packed else None
-    monkeypatch.setattr(jl, "CHUNK_BYTES", 18 * (24 * 4 * 2 + 37 * 4))  # 18 rows per chunk
+    # 18 rows per chunk (h, dh, logits, gate bytes)
+    monkeypatch.setattr(jl, "CHUNK_BYTES", 18 * (24 * 4 * 2 + 37 * 4 + 4))
     leaves = [x.detach() for x in leaves]
     prob = jl._Problem(*leaves, f_lens, targets, target_lens, host, 36, 0.3, 5, "cublas")
     chunks = prob.chunks(backward=True, stats=True)
     assert len(chunks.spans) >= 2  # later chunks start mid-batch
     rows = torch.zeros(prob.layout.n_rows, 24, device=DEVICE)
+    gates = torch.zeros(prob.layout.n_rows, 4, dtype=torch.uint8, device=DEVICE)
     for chunk in chunks:
         prob.logits(chunk)
         rows[chunk.row0 : chunk.row0 + chunk.n] = chunk.h
+        gates[chunk.row0 : chunk.row0 + chunk.n] = chunk.gates
     want_h = jl.joint_hidden(*leaves[:2], f_lens, target_lens, 0.3, 5)
     assert torch.equal(rows, lattice_rows(want_h, lens, packed))
+    # gate bits, units 0-31 (H = 24 padded to 32): bit k % 8 of byte k // 8 is h != 0
+    open_ = F.pad(rows != 0, (0, 8)).view(-1, 4, 8).to(torch.uint8)
+    want_gates = (open_ << torch.arange(8, dtype=torch.uint8, device=DEVICE)).sum(-1)
+    assert 0 < int((rows != 0).sum()) < rows.numel()  # dropout and ReLU both close some gates
+    assert torch.equal(gates, want_gates.to(torch.uint8))
     u = torch.arange(5, device=DEVICE)
     want = torch.where(u < target_lens[:, None], F.pad(targets.clamp(0, 36), (0, 1)), 0)
     want_labels = want[:, None, :].expand(4, 4, 5)
