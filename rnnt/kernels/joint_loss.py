@@ -49,7 +49,9 @@ too), the softmax written in place of the logits, d(logits) in a GEMM prologue, 
 sub-chunks, lattices or all the memory-bound kernels on a side stream, a hand-written sm90 dh
 GEMM forming d(logits) as its A operand), are in docs/PERFORMANCE.md, with the one faster
 design found: the sm90 GEMM above, whose softmax epilogue overlaps the other warp group's MMAs
-(12.29 ms at (192, 204, 44) against 13.01 with cuBLAS, ragged 18.85 / 19.73).
+(12.29 ms at (192, 204, 44) against 13.01 with cuBLAS, ragged 18.85 / 19.73). With the CUDA
+lattice walk and df / dg reading gate bits: 11.4 ms and 1.70 GiB at (192, 204, 44), 18.0 ms on
+the ragged batch (bench/joint_loss.py, 2026-11-23).
 
 Row layouts: without host lengths the rows are the padded (B, T_max, U_max + 1) box (rows past
 T_b or U_b are zeros, computed anyway). With `host_lens` (the input pipeline knows the lengths on
