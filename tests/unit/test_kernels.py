@@ -168,6 +168,14 @@ def test_half_precision_padding_garbage_near_the_fp16_limit_stays_out():
     assert_matches(got, reference(*case), rel=1e-2)
 
 
+@ONE_PASS
+def test_half_precision_odd_joint_width(one_pass):
+    # The packed half-precision math takes unit pairs as 32-bit words, which an odd H would
+    # split across rows: h, its gate bits and the gradients then come from the fp32 path.
+    case = make_case(lens=[(4, 3), (2, 1)], u_max=3, hid=23, vocab=12, dtype=torch.float16)
+    assert_matches(fused(*case, packed=True, one_pass=one_pass), reference(*case), rel=1e-2)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_lattice_posteriors_count_every_path_s_blanks_and_labels(packed):
     # Every path through utterance b's lattice takes T_b blanks and U_b labels, so whatever the
