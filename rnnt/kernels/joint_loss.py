@@ -799,8 +799,7 @@ class _Chunk(NamedTuple):
     dl: torch.Tensor  # (n, V)
     dh: torch.Tensor | None  # (n, H); None without gradients
     partials: torch.Tensor | None  # (n, V / 128, 2) of the sm90 logits GEMM; None with cuBLAS
-    gates: torch.Tensor | None  # (n, HP / 8) uint8 gate bits of h (`_hidden_kernel`); None
-    # without gradients
+    gates: torch.Tensor | None  # (n, HP / 8) uint8 gate bits of h; None without gradients
 
 
 class _Chunks:

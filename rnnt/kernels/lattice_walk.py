@@ -1,7 +1,8 @@
 """The fused loss's lattice walk in CUDA C++ (`csrc/lattice_walk.cu`), used in place of the
 Triton `_lattice_kernel` wherever it builds: the same arithmetic, bitwise the same alpha, beta
-and log P (tests/unit/test_lattice_walk.py), in about half the time, since a walk is a chain of
-dependent steps whose loads the CUDA kernel issues four diagonals ahead (docs/PERFORMANCE.md).
+and log P (tests/unit/test_lattice_walk.py), in about half the time: a walk is a chain of
+dependent steps, and this kernel issues each step's contiguous diagonal-major loads as vectors
+four diagonals ahead (docs/PERFORMANCE.md).
 
 Built by the machine's nvcc for the GPU's architecture on first use (`rnnt.kernels.cuda_build`);
 where that fails (no nvcc), the Triton kernel runs and a warning says why, once. The walk

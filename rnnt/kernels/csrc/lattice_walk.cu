@@ -3,16 +3,17 @@
 // same outputs), which stays the reference and the fallback.
 //
 // Why: the walk is a chain of T_b + U_b dependent steps per utterance, one warp each, so its
-// time is the latency of one step. Reading the diagonal-major inputs of `_skew_kernel` with
-// vector loads issued four diagonals ahead, a step of the alpha walk took 150 ns on an H200
-// (probe, (204, 44) utterances) against about 320-400 ns for the Triton kernel, whose loads
-// the compiler issues one diagonal ahead (docs/PERFORMANCE.md).
+// time is the latency of one step. With diagonal-major inputs (the stats kernels store them
+// there) read as vectors four diagonals ahead, a step of the alpha walk took 150 ns on an H200
+// (probe, (204, 44) utterances), against 320-400 ns for the Triton kernel on the row layout.
+// It takes both: this kernel on the row layout took 280-305 ns, and the Triton kernel on
+// diagonal-major inputs was slower than on rows (docs/PERFORMANCE.md).
 //
 // Layout (int64 cell indices), of the inputs and of alpha and beta: utterance b's cell (t, u)
 // at sfirst + n width + u for its diagonal n = t + u (packed: sfirst = soffs[b], width =
 // U_b + 1 rounded up to 4; padded: sfirst = b (T + U1) width, width = U1 rounded up to 4), so a
 // diagonal's loads and stores are contiguous. The inputs hold lp_blank[t - 1, u] and
-// lp_label[t, u - 1] at (t, u): the moves into the cell (joint_loss._skew_kernel).
+// lp_label[t, u - 1] at (t, u): the moves into the cell (joint_loss._diagonals).
 #include <cuda_runtime.h>
 #include <stdint.h>
 
