@@ -67,6 +67,7 @@ Runs on CUDA tensors, and on CPU tensors under the Triton interpreter (TRITON_IN
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import itertools
 import os
@@ -1225,7 +1226,11 @@ def fused_joint_loss(
         and torch.is_grad_enabled()
         and any(x.requires_grad for x in (f, g, weight, bias))
     )
-    return _FusedJointLoss.apply(
-        f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, float(dropout_p), seed,
-        reduction, one_pass, gemm,
-    )  # fmt: skip
+    # Triton launches on the current device, and the CUDA C++ launchers make theirs current:
+    # run on f's device and give the caller's back (the backward runs on the autograd engine's
+    # thread for f's device)
+    with torch.cuda.device(f.device) if f.is_cuda else contextlib.nullcontext():
+        return _FusedJointLoss.apply(
+            f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, float(dropout_p),
+            seed, reduction, one_pass, gemm,
+        )  # fmt: skip

@@ -616,3 +616,20 @@ def test_gpu_memory_at_192_204_44_fp16_and_time_target(record_property):
     assert extra <= 2e9  # issue 7: at most 2 GB
     if median_ms > 12.0:
         pytest.xfail(f"issue 7 targets <= 12 ms on an H200; measured {median_ms:.1f} ms")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.gpu
+@ONE_PASS
+def test_gpu_fused_loss_on_another_device_leaves_the_current_device_alone(one_pass):
+    # Triton launches on the current device and the CUDA C++ launchers call cudaSetDevice, which
+    # PyTorch reads back: without the loss's device guard its kernels would miss their tensors,
+    # or later allocations would land on the loss's device.
+    torch.cuda.set_device(0)
+    case = make_case([(30, 12), (17, 5)], 12, 64, 128, dtype=torch.float16, device="cuda:1")
+    prob = jl._Problem(*case[0], *case[1:], ([30, 17], [12, 5]), 127, 0.0, 0, "auto")
+    assert prob.cuda_walk and prob.sm90 == (torch.cuda.get_device_capability(1) >= (9, 0))
+    got = fused(*case, packed=True, one_pass=one_pass)
+    assert torch.cuda.current_device() == 0
+    assert torch.empty(1, device="cuda").device.index == 0
+    assert_matches(got, reference(*case), rel=1e-2)
