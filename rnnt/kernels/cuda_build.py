@@ -5,9 +5,10 @@ Why not a torch C++ extension: the kernels here talk to PyTorch only through raw
 stream handle, so a plain shared library (CUDA runtime linked statically, nvcc's default) builds
 in about 2 s without the torch headers, ninja or a host compiler matching torch's ABI.
 
-The cache key is the source text, the flags and nvcc's version, so an edited source or another
-toolkit builds a new library; each build goes to a temporary file renamed into place, so ranks
-building at once, or a build that dies half-way, never leave a broken library behind.
+The cache key is the source text (with the text of every header it includes by a quoted
+relative name, recursively), the flags and nvcc's version, so an edited source or header or
+another toolkit builds a new library; each build goes to a temporary file renamed into place,
+so ranks building at once, or a build that dies half-way, never leave a broken library behind.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -24,6 +26,15 @@ from pathlib import Path
 
 CACHE_ENV = "RNNT_KERNEL_CACHE"  # where built libraries go (default ~/.cache/rnnt-mlperf)
 BUILD_TIMEOUT_S = 300
+# a shared library of Hopper kernels (wgmma and TMA need the architecture-specific sm_90a)
+SM90A_FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-Xcompiler",
+    "-fPIC",
+    "-shared",
+)
 
 
 class BuildError(RuntimeError):
@@ -40,6 +51,26 @@ def find_nvcc() -> Path | None:
         candidates.append(Path(on_path))
     candidates.append(Path("/usr/local/cuda/bin/nvcc"))
     return next((c for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
+
+
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def source_closure(source: Path) -> list[Path]:
+    """`source` and the headers it includes by quoted names found beside the including file,
+    recursively, each once, in the order first met."""
+    seen: list[Path] = []
+    todo = [source.resolve()]
+    while todo:
+        path = todo.pop(0)
+        if path in seen:
+            continue
+        seen.append(path)
+        for name in _LOCAL_INCLUDE.findall(path.read_bytes()):
+            header = path.parent / name.decode()
+            if header.is_file():
+                todo.append(header.resolve())
+    return seen
 
 
 def cache_dir() -> Path:
@@ -63,8 +94,8 @@ def build(source: Path, flags: Sequence[str]) -> Path:
         ).stdout
     except (OSError, subprocess.SubprocessError) as err:
         raise BuildError(f"{nvcc} --version failed: {err}") from None
-    text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), version.encode()]))
+    texts = [path.read_bytes() for path in source_closure(source)]
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode(), version.encode()]))
     out_dir = cache_dir()
     lib = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if lib.is_file():

@@ -22,18 +22,10 @@ from pathlib import Path
 
 import torch
 
-from rnnt.kernels.cuda_build import BuildError, load
+from rnnt.kernels.cuda_build import SM90A_FLAGS, BuildError, load
 
 GEMMS = ("auto", "cublas", "sm90")
 SOURCE = Path(__file__).parent / "csrc" / "logits_lse_sm90.cu"
-FLAGS = (
-    "-O3",
-    "-std=c++17",
-    "-gencode=arch=compute_90a,code=sm_90a",
-    "-Xcompiler",
-    "-fPIC",
-    "-shared",
-)
 TILE_N = 128  # classes per partial: one (max, sum) per row and tile
 TILE_K = 64
 MAX_K = 512  # W's 128-class block (128 x K fp16) stays in shared memory
@@ -41,7 +33,7 @@ MAX_K = 512  # W's 128-class block (128 x K fp16) stays in shared memory
 
 def library() -> ctypes.CDLL:
     """The built kernel library (compiled on first use; raises BuildError)."""
-    lib = load(SOURCE, FLAGS)
+    lib = load(SOURCE, SM90A_FLAGS)
     if not getattr(lib, "_typed", False):
         lib.logits_lse_launch.argtypes = (
             [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_int] * 5 + [ctypes.c_void_p]

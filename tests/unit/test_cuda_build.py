@@ -53,6 +53,22 @@ def test_a_build_is_cached_and_a_changed_source_builds_anew(tmp_path, cache):
 
 
 @needs_nvcc
+def test_an_edited_header_builds_anew(tmp_path, cache):
+    (tmp_path / "inc").mkdir()
+    header = tmp_path / "inc" / "offset.cuh"
+    (tmp_path / "inc" / "outer.cuh").write_text('#include "offset.cuh"\n')
+    src = tmp_path / "adder.cu"
+    src.write_text('#include "inc/outer.cuh"\n#include <stdint.h>\n' + ADD)
+    header.write_text("#define OFFSET 1\n")
+    assert cuda_build.source_closure(src) == [src, tmp_path / "inc/outer.cuh", header]
+    first = cuda_build.build(src, FLAGS)
+    assert call_add(first, 2, 3) == 6
+    header.write_text("#define OFFSET 100\n")  # two includes deep
+    second = cuda_build.build(src, FLAGS)
+    assert second != first and call_add(second, 2, 3) == 105
+
+
+@needs_nvcc
 def test_a_compile_error_names_the_source_and_leaves_nothing_in_the_cache(tmp_path, cache):
     src = tmp_path / "broken.cu"
     src.write_text('extern "C" int f() { return undeclared_name; }\n')
