@@ -14,9 +14,10 @@ WORKDIR /workspace/rnnt
 COPY requirements.txt .
 RUN pip install --no-cache-dir -r requirements.txt nvidia-dali-cuda130
 COPY . .
-# The fused loss's CUDA C++ kernels (rnnt/kernels/csrc: the Hopper logits GEMM, the lattice
-# walk for A100 and H100 / H200), built now with the image's nvcc so no rank compiles them at
-# start-up (building needs no GPU).
+# The CUDA C++ kernels (rnnt/kernels/csrc: the fused loss's Hopper logits GEMM and its lattice
+# walk for A100 and H100 / H200, the encoder's Hopper wave LSTM), built now with the image's
+# nvcc so no rank compiles them at start-up (building needs no GPU).
 ENV RNNT_KERNEL_CACHE=/opt/rnnt-kernels
-RUN python3 -c "from rnnt.kernels import lattice_walk, logits_gemm; print(logits_gemm.library()); \
+RUN python3 -c "from rnnt.kernels import lattice_walk, logits_gemm, lstm_wave; \
+    print(logits_gemm.library(), lstm_wave.library()); \
     print([lattice_walk.library(cc) for cc in ((8, 0), (9, 0))])"

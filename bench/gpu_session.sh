@@ -6,12 +6,13 @@
 #
 #   bash bench/gpu_session.sh tests       # every @pytest.mark.gpu test
 #   bash bench/gpu_session.sh loss        # bench/joint_loss.py (issue: fused joint + loss)
-#   bash bench/gpu_session.sh step        # bench/train_step.py eager vs graphs, fused vs torchaudio
+#   bash bench/gpu_session.sh step        # bench/train_step.py eager vs graphs, cuDNN vs wave LSTM
+#   bash bench/gpu_session.sh lstm        # bench/encoder_lstm.py: cuDNN vs the wave kernels per stack
 #   bash bench/gpu_session.sh decode      # bench/decode.py, all decoder modes
 #   bash bench/gpu_session.sh train       # train.py on synthetic batches: fp16, graphs, cg eval
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | loss | step | decode | train}
+phase=${1:?phase: tests | loss | step | lstm | decode | train}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
 DATA=${DATA:-.carry/data}     # copies of ../shared/data (LibriSpeech utterance lengths)
@@ -34,7 +35,15 @@ case "$phase" in
       python3 bench/train_step.py --batch-sizes 16 64 192 --num-cg 0 4 --steps 20 \
         --loss-backend "$backend" --lengths-tsv "$DATA/librispeech_train-clean-5_lengths.tsv" \
         --json "$OUT/train_step_$backend.json" 2>&1 | tee "$OUT/train_step_$backend.log"
-    done ;;
+    done
+    # the wave LSTM pads the batch to a multiple of 192: only batch 192 is a fair comparison
+    if [ -n "${WAVE:-1}" ]; then
+      python3 bench/train_step.py --batch-sizes 192 --num-cg 4 --steps 20 --loss-backend fused \
+        --set model.encoder_lstm=wave --lengths-tsv "$DATA/librispeech_train-clean-5_lengths.tsv" \
+        --json "$OUT/train_step_wave.json" 2>&1 | tee "$OUT/train_step_wave.log"
+    fi ;;
+  lstm)
+    python3 bench/encoder_lstm.py --json "$OUT/encoder_lstm.json" 2>&1 | tee "$OUT/encoder_lstm.log" ;;
   decode)
     python3 bench/decode.py configs/baseline_v3-1023sp.yaml \
       --lengths "$DATA/librispeech_dev-clean_lengths.tsv" --batch-sizes 32 338 \

@@ -39,11 +39,16 @@ def _init_lstm(lstm: nn.LSTM, forget_gate_bias: float, hh_bias_scale: float, sca
             param.mul_(scale)
 
 
+ENCODER_LSTMS = ("cudnn", "wave")
+
+
 class StackedLSTM(nn.Module):
     """`num_layers` LSTM layers with dropout between layers and on the output.
 
     Time-major: x (T, B, H_in) -> (T, B, H). With `decoupled=True` each layer is its own
-    nn.LSTM (same maths and parameter count as the multi-layer cuDNN LSTM).
+    nn.LSTM (same maths and parameter count as the multi-layer cuDNN LSTM). With `wave=True`
+    training runs through rnnt.kernels.lstm_wave (from zero state; no state returned) on the
+    same parameters; evaluation always runs nn.LSTM.
     """
 
     def __init__(
@@ -53,10 +58,18 @@ class StackedLSTM(nn.Module):
         num_layers: int,
         dropout: float,
         cfg: ModelConfig,
+        wave: bool = False,
     ) -> None:
         super().__init__()
         self.decoupled = cfg.decoupled_rnns
         self.num_layers = num_layers
+        self.dropout_p = dropout
+        self._wave_stack = None
+        if wave:
+            # imported here: the kernels package pulls in Triton, which cudnn runs never need
+            from rnnt.kernels.lstm_wave import lstm_stack
+
+            self._wave_stack = lstm_stack
         if self.decoupled:
             self.layers = nn.ModuleList(
                 nn.LSTM(input_size if i == 0 else hidden_size, hidden_size)
@@ -72,9 +85,27 @@ class StackedLSTM(nn.Module):
             )
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
+    def layer_weights(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer (w_ih, w_hh, b_ih, b_hh), the nn.LSTM parameters themselves."""
+        if self.decoupled:
+            names = [(lstm, 0) for lstm in self.layers]
+        else:
+            names = [(self.layers[0], i) for i in range(self.num_layers)]
+        return [
+            tuple(
+                getattr(lstm, f"{kind}_l{i}")
+                for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+            )
+            for lstm, i in names
+        ]
+
     def forward(
         self, x: torch.Tensor, state: LSTMState | None = None
-    ) -> tuple[torch.Tensor, LSTMState]:
+    ) -> tuple[torch.Tensor, LSTMState | None]:
+        if self._wave_stack is not None and self.training:
+            if state is not None:
+                raise ValueError("the wave LSTM runs from zero state only")
+            return self._wave_stack(x, self.layer_weights(), self.dropout_p), None
         if not self.decoupled:
             x, state = self.layers[0](x, state)
             return self.dropout(x), state
@@ -120,11 +151,20 @@ class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hid = cfg.enc_n_hid
-        self.pre_rnn = StackedLSTM(cfg.in_feats, hid, cfg.enc_pre_rnn_layers, cfg.enc_dropout, cfg)
+        if cfg.encoder_lstm not in ENCODER_LSTMS:
+            raise ConfigError(
+                f"model.encoder_lstm: unknown LSTM '{cfg.encoder_lstm}' (choose one of "
+                f"{', '.join(ENCODER_LSTMS)})"
+            )
+        wave = cfg.encoder_lstm == "wave"
+        self.pre_rnn = StackedLSTM(
+            cfg.in_feats, hid, cfg.enc_pre_rnn_layers, cfg.enc_dropout, cfg, wave
+        )
         self.stack_time = StackTime(cfg.enc_stack_time_factor)
         self.post_rnn = StackedLSTM(
-            hid * cfg.enc_stack_time_factor, hid, cfg.enc_post_rnn_layers, cfg.enc_dropout, cfg
-        )
+            hid * cfg.enc_stack_time_factor, hid, cfg.enc_post_rnn_layers, cfg.enc_dropout, cfg,
+            wave,
+        )  # fmt: skip
         self.joint_enc = nn.Linear(hid, cfg.joint_n_hid)
 
     def forward(self, x: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

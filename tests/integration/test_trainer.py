@@ -75,9 +75,12 @@ def losses(out: Path) -> dict[int, float]:
     }
 
 
-def test_resume_mid_epoch_continues_exactly(corpus, tmp_path):
+@pytest.mark.parametrize("encoder_lstm", ["cudnn", "wave"])
+def test_resume_mid_epoch_continues_exactly(corpus, tmp_path, encoder_lstm):
+    """Also with the wave LSTM, whose dropout seeds come from torch's (checkpointed) generator."""
+    lstm = f"model.encoder_lstm={encoder_lstm}"
     full = tmp_path / "full"
-    trainer = Trainer(make_cfg(corpus, full), CPU)
+    trainer = Trainer(make_cfg(corpus, full, lstm), CPU)
     steps_per_epoch = len(trainer.sampler)
     assert steps_per_epoch == 6 and 4 % steps_per_epoch != 0  # the step-4 save is mid-epoch
     trainer.fit()
@@ -90,7 +93,7 @@ def test_resume_mid_epoch_continues_exactly(corpus, tmp_path):
     (resumed_dir / "checkpoints").mkdir(parents=True)
     for name in ("ckpt_e1_s4.pt", "ckpt_e1_s4.json"):
         shutil.copy(full / "checkpoints" / name, resumed_dir / "checkpoints" / name)
-    resumed = Trainer(make_cfg(corpus, resumed_dir), CPU)
+    resumed = Trainer(make_cfg(corpus, resumed_dir, lstm), CPU)
     assert resumed.resume()
     assert (resumed.progress.epoch, resumed.progress.step, resumed.batches_done) == (1, 4, 4)
     resumed.fit()

@@ -119,12 +119,15 @@ def test_pad_into_matches_f_pad():
         pad_into(torch.zeros(2, 2), torch.zeros(3, 2), 0)
 
 
-@pytest.mark.parametrize("decoupled", [False, True])
-def test_encoder_buckets_give_eager_values_and_gradients(decoupled):
+@pytest.mark.parametrize(
+    "decoupled,lstm", [(False, "cudnn"), (True, "cudnn"), (False, "wave")]
+)  # fmt: skip
+def test_encoder_buckets_give_eager_values_and_gradients(decoupled, lstm):
     """Pad into a longer, wider bucket, run, slice: the eager model's f, f_lens and weight
     gradients, for odd and even lengths (the stack-time tail) and a partial batch."""
     torch.manual_seed(0)
-    model = RNNT(tiny_cfg(decoupled_rnns=decoupled, **NO_DROPOUT)).double()
+    cfg = tiny_cfg(decoupled_rnns=decoupled, encoder_lstm=lstm, enc_n_hid=32, **NO_DROPOUT)
+    model = RNNT(cfg).double()
     cap_b, feats = 4, model.cfg.in_feats
     buckets = []
     for n in (9, 14):
@@ -252,13 +255,9 @@ def _loss_and_grads(model, encode, predict, batch):
     return loss.detach().float(), f_lens, [p.grad.float().clone() for p in model.parameters()]
 
 
-@pytest.mark.gpu
-def test_graphed_training_matches_eager_in_every_bucket():
-    model = _gpu_model()
-    graphs = TrainingGraphs(model, 6, 80, 20, 4, torch.float16, "cuda")
-    assert graphs.feat_buckets == [20, 40, 60, 80] and graphs.token_buckets == [5, 10, 15, 20]
-    # one batch per encoder bucket (incl. the longest) and per prediction bucket, a partial one
-    for i, (b, t, u) in enumerate([(6, 80, 20), (6, 57, 11), (6, 33, 6), (6, 20, 1), (4, 41, 15)]):
+def _assert_graphs_match_eager(model, graphs, shapes):
+    """For batches of (B, T, U): the graphed loss, lengths and gradients are the eager ones."""
+    for i, (b, t, u) in enumerate(shapes):
         batch = _batch(model, b, t, u, seed=i)
         loss_e, lens_e, grads_e = _loss_and_grads(model, model.encode, model.predict, batch)
         loss_g, lens_g, grads_g = _loss_and_grads(model, graphs.encode, graphs.predict, batch)
@@ -266,6 +265,16 @@ def test_graphed_training_matches_eager_in_every_bucket():
         assert torch.equal(lens_g, lens_e)
         for ge, gg in zip(grads_e, grads_g):
             torch.testing.assert_close(gg, ge, rtol=2e-2, atol=2e-2 * ge.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_graphed_training_matches_eager_in_every_bucket():
+    model = _gpu_model()
+    graphs = TrainingGraphs(model, 6, 80, 20, 4, torch.float16, "cuda")
+    assert graphs.feat_buckets == [20, 40, 60, 80] and graphs.token_buckets == [5, 10, 15, 20]
+    # one batch per encoder bucket (incl. the longest) and per prediction bucket, a partial one
+    shapes = [(6, 80, 20), (6, 57, 11), (6, 33, 6), (6, 20, 1), (4, 41, 15)]
+    _assert_graphs_match_eager(model, graphs, shapes)
     x, x_lens, y, _ = _batch(model, 6, 81, 5, seed=9)
     with pytest.raises(SequenceTooLongError):
         graphs.encode(x, x_lens)
@@ -319,6 +328,23 @@ def test_dropout_draws_fresh_masks_at_every_replay():
     inp = torch.randn(10, 4, 32, device="cuda").half()
     out1, out2 = graphed(inp)[0].clone(), graphed(inp)[0].clone()
     assert not torch.equal(out1, out2)  # the mask between the two cuDNN layers changed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the wave LSTM kernels need a Hopper GPU (sm_90)",
+)
+def test_graphed_wave_encoder_matches_eager_and_draws_fresh_masks():
+    model = _gpu_model(enc_n_hid=1024, in_feats=256, encoder_lstm="wave")
+    graphs = TrainingGraphs(model, 6, 40, 10, 2, torch.float16, "cuda")
+    _assert_graphs_match_eager(model, graphs, [(6, 40, 10), (6, 17, 4), (3, 29, 7)])
+    model = _gpu_model(enc_n_hid=1024, in_feats=256, encoder_lstm="wave", enc_dropout=0.5)
+    graphs = TrainingGraphs(model, 4, 16, 8, 1, torch.float16, "cuda")
+    x, x_lens, _, _ = _batch(model, 4, 16, 8, seed=0)
+    f1 = graphs.encode(x, x_lens)[0].clone()
+    f2 = graphs.encode(x, x_lens)[0].clone()
+    assert not torch.equal(f1, f2)
 
 
 @pytest.mark.gpu

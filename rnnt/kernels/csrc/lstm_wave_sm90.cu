@@ -1,0 +1,831 @@
+// The encoder's LSTM stacks as waves of Hopper kernels (sm_90a: TMA, wgmma, clusters), forward and
+// backward; rnnt/kernels/lstm_wave.py wires them into autograd and holds their plain-PyTorch twin.
+//
+// A wave is one launch that runs every layer of the stack at its own step: the forward's wave w
+// runs layer l at t = w - l, so layer l + 1 reads layer l's output of the previous wave and one
+// launch does the work of several cuDNN steps. The backward's wave v runs layer l at
+// t = T - 1 - v + (L - 1 - l), so dz_l(t + 1) and dz_{l+1}(t) both come from wave v - 1.
+//
+// Forward GEMM, per wave and layer: gates^T = W x [in(t), h(t - 1)]^T, tiled as cuBLAS tiles it
+// (128 W rows x 96 batch rows, K slices of 64); the cell runs in the epilogue, which writes h,
+// dropout(h) and six factor planes, so the backward needs neither the gates nor a c sequence:
+//   A1 = o (1 - tanh^2 c), A2 = g i (1 - i), A3 = c(t - 1) f (1 - f), A4 = i (1 - g^2),
+//   A5 = tanh(c) o (1 - o), A6 = f
+//   dc = dh A1 + A6(t + 1) dc(t + 1),  dz = (dc A2, dc A3, dc A4, dh A5).
+// Backward GEMM: dh^T = W^T x dz^T (64 units x 96 batch rows, K = 4H); below the top layer a
+// cluster pair splits K between the recurrent part and the layer above's part.
+// Design, measurements and what did not pay: docs/PERFORMANCE.md.
+#include <cuda.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "sm90.cuh"
+
+namespace wave {
+using namespace sm90;
+
+constexpr int HID = 1024;  // hidden size (N = 4 HID)
+
+// TMA's swizzles as functions of a byte offset inside a 1024-byte-aligned tile
+__host__ __device__ constexpr uint32_t swz128(uint32_t o) { return o ^ ((o >> 3) & 0x70); }
+__host__ __device__ constexpr uint32_t swz64(uint32_t o) { return o ^ ((o >> 3) & 0x30); }
+
+__device__ __forceinline__ void mbar_arrive_remote(uint64_t* bar, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(bar)), "r"(rank));
+  // .cta-scope release as CUTLASS does: a .cluster-scope one costs about 0.6 us per stage
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(r) : "memory");
+}
+__device__ __forceinline__ void tma_load_mc(void* dst, const CUtensorMap* map, uint64_t* bar,
+                                            int col, int row, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::"
+      "cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_u32(dst)),
+      "l"(map), "r"(smem_u32(bar)), "r"(col), "r"(row), "h"(mask)
+      : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::
+                   : "memory");
+}
+__device__ __forceinline__ void fence_acc(float* d) {
+#pragma unroll
+  for (int i = 0; i < 48; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void wgmma_m64n96k16(float* d, uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %50, 0; "
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
+      "%48, %49, p, 1, 1, 0, 0; }"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+__device__ __forceinline__ float tanh_fast(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float sigmoid_fast(float x) { return fmaf(0.5f, tanh_fast(0.5f * x), 0.5f); }
+__host__ __device__ __forceinline__ uint32_t mix(uint32_t x) {
+  x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+  return x;
+}
+// Dropout keys (rnnt/kernels/lstm_wave.py's keep_mask is their reference): one seed per (layer,
+// step), then one hash per pair of batch rows b, b + 1 (b even) of a unit, 16 bits per row. They do
+// not depend on the batch size, so padding the batch leaves the real rows' masks as they are.
+__host__ __device__ __forceinline__ uint32_t step_seed(uint32_t seed, int layer, int t) {
+  return mix(mix(seed + 0x9e3779b9u * (layer + 1)) + 0x85ebca6bu * (t + 1));
+}
+__host__ __device__ __forceinline__ uint32_t drop_key(uint32_t step, uint32_t even_b, int unit) {
+  return mix(step ^ ((even_b >> 1) * HID + unit));
+}
+__host__ __device__ __forceinline__ bool dropped(uint32_t key, int bit, uint32_t threshold) {
+  return ((bit ? key >> 16 : key) & 0xFFFFu) < threshold;
+}
+__device__ __forceinline__ void st_shared_f32(uint32_t a, float v) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
+}
+__device__ __forceinline__ float ld_shared_f32(uint32_t a) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+  return v;
+}
+
+// four 8x8 fp16 matrices in the MMA fragment layout (thread: row lane / 4, columns 2 (lane % 4)
+// and + 1), stored transposed: lane i gives the address of matrix i / 8's smem row i % 8, which
+// receives that matrix's column i % 8
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&v)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+               "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+               : "memory");
+}
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// the inverse of stmatrix_x4_trans: lane i gives the address of matrix i / 8's smem row i % 8;
+// register k of a thread receives matrix k's (row lane / 4, columns 2 (lane % 4), + 1) of the
+// transposed rows, i.e. smem rows are the fragment's columns
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&v)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ float2 unpack_half2(uint32_t v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+__device__ __forceinline__ float4 ld_shared_v4(uint32_t a) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(a)
+               : "memory");
+  return v;
+}
+// into the same smem offset of cluster CTA `rank`
+__device__ __forceinline__ void st_cluster_v4(uint32_t a, uint32_t rank, float4 v) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(r), "f"(v.x), "f"(v.y),
+               "f"(v.z), "f"(v.w)
+               : "memory");
+}
+// publishes this thread's (and, through a preceding barrier, its CTA's) cluster writes
+__device__ __forceinline__ void mbar_arrive_remote_release(uint64_t* bar, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(bar)), "r"(rank));
+  asm volatile("fence.acq_rel.cluster;\n"
+               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(r)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait_acquire_cluster(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+}  // namespace wave
+
+
+namespace fwd {
+using namespace wave;
+
+constexpr int BM = 128, BN = 96, BK = 64;
+constexpr int W_SUB = BM * BK * 2, X_SUB = BN * BK * 2, SUB = W_SUB + X_SUB;  // 28 KB
+constexpr int C_TILE = BN * 32 * 4;         // the cell state, 96 rows x 32 units, fp32
+constexpr int H_TILE = BN * 32 * 2;         // h, dropout(h) or a factor: 96 x 32, fp16
+constexpr int N_FACTORS = 6;               // what the backward reads (wave_ref.py)
+constexpr int THREADS = 256;
+constexpr int MAX_LAYERS = 3;
+constexpr int N_TILES = 4 * HID / BM;       // 32 W tiles per layer
+static_assert(SUB % 1024 == 0 && W_SUB % 1024 == 0, "swizzled tiles need 1024-byte alignment");
+static_assert((2 + N_FACTORS) * H_TILE <= 2 * SUB, "the epilogue's staging fits in the ring");
+
+constexpr int smem_bytes(int ring) { return ring * SUB + C_TILE + 1024 + 256; }
+
+struct Params {  // 64-byte aligned through CUtensorMap
+  CUtensorMap in[MAX_LAYERS];  // [T*B, K_in] fp16, box 64 x 96: the layer's input sequence
+  CUtensorMap hl[MAX_LAYERS];  // [(T+1)*B, H] fp16, box 64 x 96: slot 0 = h0, slot t+1 = h(t)
+  CUtensorMap w[MAX_LAYERS];   // [4H, K_in + H] fp16, box 64 x 128/C, permuted rows
+  CUtensorMap c[MAX_LAYERS];   // [B, H] fp32 cell state, box 32 x 96 (load and store)
+  CUtensorMap hs[MAX_LAYERS];  // hseq again, box 32 x 96, 64-byte swizzle (store)
+  CUtensorMap ys[MAX_LAYERS];  // [T*B, H] fp16 dropout(h), box 32 x 96 (store)
+  CUtensorMap fac[MAX_LAYERS]; // [6, T*B, H] fp16 factors for the backward, box 32 x 96 (store)
+  const float* bias[MAX_LAYERS];  // [4H] permuted
+  int kin_blocks[MAX_LAYERS];
+  int T, B, layer0, wave;
+  float keep_scale;
+  uint32_t drop_threshold;  // 16-bit: drop when a key's half is below it
+  const uint32_t* seed;     // on the device: drawn per call, so graph replays draw afresh
+};
+
+template <int C, int KSUB, int RING>
+__global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Params p) {
+  constexpr int STAGES = RING / KSUB, STAGE = KSUB * SUB;
+  static_assert(RING % KSUB == 0, "whole stages");
+  extern __shared__ uint8_t raw[];
+  uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
+                                             ~static_cast<uintptr_t>(1023));
+  uint8_t* ctile = ring + RING * SUB;
+  uint64_t* full = reinterpret_cast<uint64_t*>(ctile + C_TILE);
+  uint64_t* empty = full + STAGES;
+  uint64_t* cbar = empty + STAGES;
+  const int nb_count = p.B / BN;
+  const int nb = blockIdx.x % nb_count, tile = (blockIdx.x / nb_count) % N_TILES;
+  const int l = p.layer0 + blockIdx.x / (nb_count * N_TILES);
+  const int t = p.wave - l;
+  const int k_blocks = (p.kin_blocks[l] + HID / BK) / KSUB;
+  const int row0 = nb * BN;  // first batch row
+  const int warp_group = threadIdx.x / 128, tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 4 * C);
+    }
+    mbar_init(cbar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (C > 1) cluster_sync(); else __syncthreads();
+
+  if (warp_group == 0) {
+    if (tid == 0) {
+      const uint32_t rank = C > 1 ? cluster_rank() : 0;
+      mbar_expect_tx(cbar, C_TILE);
+      tma_load_2d(ctile, &p.c[l], cbar, tile * 32, row0);
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const int s = kb % STAGES;
+        mbar_wait(&empty[s], ((kb / STAGES) & 1) ^ 1);
+        mbar_expect_tx(&full[s], KSUB * SUB);
+#pragma unroll
+        for (int j = 0; j < KSUB; ++j) {
+          uint8_t* slice = ring + s * STAGE + j * SUB;
+          const int ks = kb * KSUB + j;
+          const bool from_in = ks < p.kin_blocks[l];
+          if (C > 1)
+            tma_load_mc(slice + rank * (BM / C) * 128, &p.w[l], &full[s], ks * BK,
+                        tile * BM + rank * (BM / C), (1u << C) - 1);
+          else
+            tma_load_2d(slice, &p.w[l], &full[s], ks * BK, tile * BM);
+          tma_load_2d(slice + W_SUB, from_in ? &p.in[l] : &p.hl[l], &full[s],
+                   (from_in ? ks : ks - p.kin_blocks[l]) * BK, t * p.B + row0);
+        }
+      }
+    }
+  } else {
+    const int warp = tid / 32, lane = tid % 32, q = lane & 3, r = lane >> 2;
+    const int unit_local = 8 * warp + r;
+    float bias[4];
+#pragma unroll
+    for (int g = 0; g < 4; ++g)
+      bias[g] = p.bias[l][tile * BM + 64 * (g >> 1) + 16 * warp + 8 * (g & 1) + r];
+    float d[2][48];
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      const int s = kb % STAGES;
+      mbar_wait(&full[s], (kb / STAGES) & 1);
+      // no zero-initialized accumulators (scale-d = 0 on the first MMA instead): ptxas would
+      // serialize every wgmma (C7515)
+      wgmma_fence();
+      fence_acc(d[0]);
+      fence_acc(d[1]);
+#pragma unroll
+      for (int j = 0; j < KSUB; ++j) {
+        const uint32_t wa = smem_u32(ring + s * STAGE + j * SUB);
+        const uint32_t xa = wa + W_SUB;
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            wgmma_m64n96k16(d[half], smem_desc(wa + half * 64 * 128 + kk * 32),
+                            smem_desc(xa + kk * 32), (kb | j | kk) != 0);
+      }
+      wgmma_commit();
+      fence_acc(d[0]);
+      fence_acc(d[1]);
+      wgmma_wait<1>();
+      fence_acc(d[0]);
+      fence_acc(d[1]);
+      if (kb >= 1 && lane == 0) {
+        const int sp = (kb - 1) % STAGES;
+        if (C > 1)
+          for (int rk = 0; rk < C; ++rk) mbar_arrive_remote(&empty[sp], rk);
+        else
+          mbar_arrive(&empty[sp]);
+      }
+    }
+    wgmma_wait<0>();
+    fence_acc(d[0]);
+    fence_acc(d[1]);
+    if (lane == 0) {  // the last stage, for the peer's producer (it may still be loading)
+      const int sp = (k_blocks - 1) % STAGES;
+      if (C > 1)
+        for (int rk = 0; rk < C; ++rk) mbar_arrive_remote(&empty[sp], rk);
+      else
+        mbar_arrive(&empty[sp]);
+    }
+    mbar_wait(cbar, 0);
+    {
+      // The ring is free for staging once every MMA is done: the producers issue exactly k_blocks
+      // stages (the peer's multicast halves included) and every one of them has landed.
+      // Staging: h, dropout(h), then the six factor planes, each 96 batch rows x 32 units.
+      const uint32_t st = smem_u32(ring), ct = smem_u32(ctile);
+      const int unit = tile * 32 + unit_local;
+      const uint32_t step = step_seed(*p.seed, l, t);
+      const int mi = lane >> 3, c8 = lane & 7;  // the matrix and the smem row this lane addresses
+#pragma unroll
+      for (int pj = 0; pj < 3; ++pj) {
+        // batch blocks jj = 4 pj .. 4 pj + 3; out[k][m]: tile k's fragment of block 4 pj + m
+        // (row: this thread's unit, columns: batch rows 8 jj + 2q, + 1)
+        uint32_t out[2 + N_FACTORS][4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const int jj = 4 * pj + m;
+          float v[2 + N_FACTORS][2];
+          const uint32_t key = drop_key(step, row0 + 8 * jj + 2 * q, unit);
+#pragma unroll
+          for (int bit = 0; bit < 2; ++bit) {
+            const int b = 8 * jj + 2 * q + bit;  // batch row inside the tile
+            const int k = 4 * jj + bit;
+            const float gi = sigmoid_fast(d[0][k] + bias[0]);
+            const float gf = sigmoid_fast(d[0][k + 2] + bias[1]);
+            const float gg = tanh_fast(d[1][k] + bias[2]);
+            const float go = sigmoid_fast(d[1][k + 2] + bias[3]);
+            const uint32_t ca = ct + swz128(b * 128 + unit_local * 4);
+            const float cp = ld_shared_f32(ca);
+            const float c = fmaf(gf, cp, gi * gg);
+            st_shared_f32(ca, c);
+            const float tc = tanh_fast(c);
+            const float h = __half2float(__float2half_rn(go * tc));
+            v[0][bit] = h;
+            v[1][bit] = dropped(key, bit, p.drop_threshold) ? 0.f : h * p.keep_scale;
+            // the backward's factors (see wave_ref.py)
+            v[2][bit] = go * (1.f - tc * tc);
+            v[3][bit] = gg * gi * (1.f - gi);
+            v[4][bit] = cp * gf * (1.f - gf);
+            v[5][bit] = gi * (1.f - gg * gg);
+            v[6][bit] = tc * go * (1.f - go);
+            v[7][bit] = gf;
+          }
+#pragma unroll
+          for (int f = 0; f < 2 + N_FACTORS; ++f) out[f][m] = pack_half2(v[f][0], v[f][1]);
+        }
+        // matrix mi of each stmatrix: batch block 4 pj + mi, this warp's 8 units (16 bytes of a
+        // 64-byte row)
+        const uint32_t o = swz64((8 * (4 * pj + mi) + c8) * 64 + 16 * warp);
+#pragma unroll
+        for (int f = 0; f < 2 + N_FACTORS; ++f) stmatrix_x4_trans(st + f * H_TILE + o, out[f]);
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      asm volatile("bar.sync 1, 128;" ::: "memory");
+      if (tid == 0) {
+        const int rows = p.T * p.B;
+        tma_store_2d(&p.c[l], ctile, tile * 32, row0);
+        tma_store_2d(&p.hs[l], ring, tile * 32, (t + 1) * p.B + row0);
+        tma_store_2d(&p.ys[l], ring + H_TILE, tile * 32, t * p.B + row0);
+#pragma unroll
+        for (int f = 0; f < N_FACTORS; ++f)
+          tma_store_2d(&p.fac[l], ring + (2 + f) * H_TILE, tile * 32, f * rows + t * p.B + row0);
+        bulk_commit();
+        bulk_wait_read();
+      }
+    }
+  }
+  if (C > 1) cluster_sync();
+}
+
+
+}  // namespace fwd
+
+
+namespace bwd {
+using namespace wave;
+
+constexpr int BM = 64, BN = 96, BK = 64;
+constexpr int A_SUB = BM * BK * 2, B_SUB = BN * BK * 2, SUB = A_SUB + B_SUB;  // 20 KB
+constexpr int F_TILE = BN * 64 * 2;   // 96 batch rows x 64 units fp16 (factor, dY, dz quarter)
+constexpr int DC_BOX = BN * 32 * 4;   // 96 x 32 fp32: dc is two boxes
+constexpr int PART = 48 * 128 * 4;    // the partner's accumulators
+// epilogue region, after the ring: factors A1..A5, A6(t + 1), dY, dc (2 boxes), partner
+constexpr int E_FNEXT = 5 * F_TILE, E_DY = 6 * F_TILE, E_DC = 7 * F_TILE, E_PART = E_DC + 2 * DC_BOX;
+constexpr int E_BYTES = E_PART + PART;
+constexpr int THREADS = 256;
+constexpr int MAX_LAYERS = 3;
+constexpr int U_TILES = HID / BM;  // 16
+static_assert(SUB % 1024 == 0 && F_TILE % 1024 == 0 && DC_BOX % 1024 == 0, "1024-byte tiles");
+static_assert(4 * F_TILE <= 4 * SUB, "dz staging fits in the ring");
+
+constexpr int smem_bytes(int ring) { return ring * SUB + E_BYTES + 1024 + 256; }
+
+struct Params {  // 64-byte aligned through CUtensorMap
+  CUtensorMap wt[MAX_LAYERS];   // [kin + H, 4H] fp16 W^T, permuted gate columns, box 64 x 64
+  CUtensorMap dz[MAX_LAYERS];   // [T*B, 4H] fp16, box 64 x 96 (the B operand, and stores)
+  CUtensorMap fac[MAX_LAYERS];  // [6, T*B, H] fp16, box 64 x 96
+  CUtensorMap dc[MAX_LAYERS];   // [B, H] fp32 running dc, box 32 x 96
+  CUtensorMap dy;               // [T*B, H] fp16: the top layer's output gradient, box 64 x 96
+  int kin[MAX_LAYERS];
+  int T, B, L, lo, hi, wave;
+  float keep_scale;
+  uint32_t drop_threshold;  // 16-bit, as the forward's
+  const uint32_t* seed;     // the forward's
+};
+
+template <int KSUB, int RING>
+__global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ Params p) {
+  constexpr int STAGES = RING / KSUB, STAGE = KSUB * SUB;
+  static_assert(RING % KSUB == 0, "whole stages");
+  extern __shared__ uint8_t raw[];
+  uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
+                                             ~static_cast<uintptr_t>(1023));
+  uint8_t* epi = ring + RING * SUB;
+  uint64_t* full = reinterpret_cast<uint64_t*>(epi + E_BYTES);
+  uint64_t* empty = full + STAGES;
+  uint64_t* ebar = empty + STAGES;  // the epilogue's TMA inputs
+  uint64_t* pbar = ebar + 1;        // the partner's accumulators
+
+  // which (layer, unit tile, batch tile, role) this CTA is
+  const int nb_count = p.B / BN;
+  const int cid = blockIdx.x / 2, rank = blockIdx.x % 2;
+  const bool top_active = p.hi == p.L - 1;
+  const int top_clusters = top_active ? U_TILES * nb_count / 2 : 0;
+  int l, ut, nb;
+  bool partner;
+  if (cid < top_clusters) {
+    l = p.L - 1;
+    ut = cid / (nb_count / 2);
+    nb = (cid % (nb_count / 2)) * 2 + rank;
+    partner = false;
+  } else {
+    const int c2 = cid - top_clusters;
+    l = (top_active ? p.L - 2 : p.hi) - c2 / (U_TILES * nb_count);
+    ut = (c2 % (U_TILES * nb_count)) / nb_count;
+    nb = c2 % nb_count;
+    partner = rank == 1;
+  }
+  const int t = p.T - 1 - p.wave + (p.L - 1 - l);
+  const int row0 = nb * BN;
+  const bool top = l == p.L - 1, last_step = t == p.T - 1;
+  // the main CTA's K: dz_l(t + 1) x W_hh,l (none at t = T - 1); the partner's: dz_{l+1}(t) x W_ih,{l+1}
+  const int k_blocks = (partner || !last_step) ? 4 * HID / BK / KSUB : 0;
+  const int src = partner ? l + 1 : l;
+  const int a_row = partner ? ut * BM : p.kin[l] + ut * BM;
+  const int b_row = (partner ? t : t + 1) * p.B + row0;
+
+  const int warp_group = threadIdx.x / 128, tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 4);
+    }
+    mbar_init(ebar, 1);
+    mbar_init(pbar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cluster_sync();
+
+  if (warp_group == 0) {
+    if (tid == 0) {
+      if (!partner) {
+        const int rows = p.T * p.B;
+        uint32_t bytes = 5 * F_TILE + 2 * DC_BOX + (last_step ? 0 : F_TILE) + (top ? F_TILE : 0);
+        mbar_expect_tx(ebar, bytes);
+        for (int f = 0; f < 5; ++f)
+          tma_load_2d(epi + f * F_TILE, &p.fac[l], ebar, ut * BM, f * rows + t * p.B + row0);
+        if (!last_step)
+          tma_load_2d(epi + E_FNEXT, &p.fac[l], ebar, ut * BM, 5 * rows + (t + 1) * p.B + row0);
+        if (top) tma_load_2d(epi + E_DY, &p.dy, ebar, ut * BM, t * p.B + row0);
+        for (int i = 0; i < 2; ++i)
+          tma_load_2d(epi + E_DC + i * DC_BOX, &p.dc[l], ebar, ut * BM + 32 * i, row0);
+      }
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const int s = kb % STAGES;
+        mbar_wait(&empty[s], ((kb / STAGES) & 1) ^ 1);
+        mbar_expect_tx(&full[s], KSUB * SUB);
+#pragma unroll
+        for (int j = 0; j < KSUB; ++j) {
+          uint8_t* slice = ring + s * STAGE + j * SUB;
+          const int ks = kb * KSUB + j;
+          tma_load_2d(slice, &p.wt[src], &full[s], ks * BK, a_row);
+          tma_load_2d(slice + A_SUB, &p.dz[src], &full[s], ks * BK, b_row);
+        }
+      }
+    }
+  } else {
+    const int warp = tid / 32, lane = tid % 32, q = lane & 3, r = lane >> 2;
+    float d[48];
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      const int s = kb % STAGES;
+      mbar_wait(&full[s], (kb / STAGES) & 1);
+      wgmma_fence();
+      fence_acc(d);
+#pragma unroll
+      for (int j = 0; j < KSUB; ++j) {
+        const uint32_t a = smem_u32(ring + s * STAGE + j * SUB), b = a + A_SUB;
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk)
+          wgmma_m64n96k16(d, smem_desc(a + kk * 32), smem_desc(b + kk * 32), (kb | j | kk) != 0);
+      }
+      wgmma_commit();
+      fence_acc(d);
+      wgmma_wait<1>();
+      fence_acc(d);
+      if (kb >= 1 && lane == 0) mbar_arrive(&empty[(kb - 1) % STAGES]);
+    }
+    wgmma_wait<0>();
+    fence_acc(d);
+    if (k_blocks == 0) {
+#pragma unroll
+      for (int k = 0; k < 48; ++k) d[k] = 0.f;
+    }
+    if (partner) {
+      {
+        // thread tid's accumulators, 4 at a time, into the main CTA's partner area
+        const uint32_t part = smem_u32(epi + E_PART);
+#pragma unroll
+        for (int k4 = 0; k4 < 12; ++k4)
+          st_cluster_v4(part + (k4 * 128 + tid) * 16, 0,
+                        make_float4(d[4 * k4], d[4 * k4 + 1], d[4 * k4 + 2], d[4 * k4 + 3]));
+        asm volatile("bar.sync 1, 128;" ::: "memory");
+        if (tid == 0) mbar_arrive_remote_release(pbar, 0);
+      }
+    } else {
+      mbar_wait(ebar, 0);
+      {
+        if (!top) mbar_wait_acquire_cluster(pbar, 0);
+        const uint32_t e = smem_u32(epi), part = e + E_PART;
+        const uint32_t step = step_seed(*p.seed, l, t);
+        const int mi = lane >> 3, c8 = lane & 7;
+        // this thread's accumulator rows: units 16 warp + 8 i + r of the tile (i = 0, 1)
+#pragma unroll
+        for (int pj = 0; pj < 6; ++pj) {
+          // ldmatrix / stmatrix matrix mi: i = mi % 2, batch block j = 2 pj + mi / 2
+          const int i_l = mi & 1, j_l = 2 * pj + (mi >> 1);
+          const uint32_t frag = swz128((8 * j_l + c8) * 128 + (16 * warp + 8 * i_l) * 2);
+          uint32_t fv[7][4];
+#pragma unroll
+          for (int f = 0; f < 5; ++f) ldmatrix_x4_trans(e + f * F_TILE + frag, fv[f]);
+          if (!last_step) ldmatrix_x4_trans(e + E_FNEXT + frag, fv[5]);
+          if (top) ldmatrix_x4_trans(e + E_DY + frag, fv[6]);
+          uint32_t dzv[4][4];  // [gate][matrix]
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            const int i = m & 1, j = 2 * pj + (m >> 1);
+            const int ul = 16 * warp + 8 * i + r;  // unit inside the tile
+            const uint32_t key = drop_key(step, row0 + 8 * j + 2 * q, ut * BM + ul);
+            float4 pv = make_float4(0.f, 0.f, 0.f, 0.f);
+            float dzf[4][2];
+#pragma unroll
+            for (int bit = 0; bit < 2; ++bit) {
+              const int k = 4 * j + 2 * i + bit, b = 8 * j + 2 * q + bit;
+              float dy;
+              if (top) {
+                const float2 v = unpack_half2(fv[6][m]);
+                dy = bit ? v.y : v.x;
+              } else {
+                if (bit == 0) pv = ld_shared_v4(part + ((k >> 2) * 128 + tid) * 16);
+                const float* pf = &pv.x;
+                dy = pf[k & 3];
+              }
+              const float dh = d[k] + (dropped(key, bit, p.drop_threshold) ? 0.f : dy * p.keep_scale);
+              float a[5];
+#pragma unroll
+              for (int f = 0; f < 5; ++f) {
+                const float2 v = unpack_half2(fv[f][m]);
+                a[f] = bit ? v.y : v.x;
+              }
+              const uint32_t ca = e + E_DC + (ul >> 5) * DC_BOX + swz128(b * 128 + (ul & 31) * 4);
+              float dc = dh * a[0];
+              if (!last_step) {
+                const float2 v = unpack_half2(fv[5][m]);
+                dc = fmaf(bit ? v.y : v.x, ld_shared_f32(ca), dc);
+              }
+              st_shared_f32(ca, dc);
+              dzf[0][bit] = dc * a[1];
+              dzf[1][bit] = dc * a[2];
+              dzf[2][bit] = dc * a[3];
+              dzf[3][bit] = dh * a[4];
+            }
+#pragma unroll
+            for (int g = 0; g < 4; ++g) dzv[g][m] = pack_half2(dzf[g][0], dzf[g][1]);
+          }
+          // dz of unit ul, gate g goes to the forward's permuted column: quarter 2 (ul / 32) +
+          // g / 2 of the tile's 256 columns, column 16 ((ul % 32) / 8) + 8 (g % 2) + ul % 8
+#pragma unroll
+          for (int g = 0; g < 4; ++g) {
+            const int quarter = 2 * (warp >> 1) + (g >> 1);
+            const int col = 16 * ((2 * warp + i_l) & 3) + 8 * (g & 1);
+            stmatrix_x4_trans(smem_u32(ring) + quarter * F_TILE + swz128((8 * j_l + c8) * 128 + col * 2),
+                              dzv[g]);
+          }
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("bar.sync 1, 128;" ::: "memory");
+        if (tid == 0) {
+          for (int qt = 0; qt < 4; ++qt)
+            tma_store_2d(&p.dz[l], ring + qt * F_TILE, ut * 4 * BM + 64 * qt, t * p.B + row0);
+          for (int i = 0; i < 2; ++i)
+            tma_store_2d(&p.dc[l], epi + E_DC + i * DC_BOX, ut * BM + 32 * i, row0);
+          bulk_commit();
+          bulk_wait_read();
+        }
+      }
+    }
+  }
+  cluster_sync();  // no CTA leaves while its partner may still write into it
+}
+
+
+}  // namespace bwd
+
+// ------------------------------------------------------------------------------------------------
+// Host side: one call queues every wave of a stack's forward or backward on `stream`.
+
+namespace {
+using namespace wave;
+
+constexpr int kBadShape = 1, kBadVariant = 2, kNoEncoder = 3, kEncodeFailed = 1000;
+constexpr int kMaxDevices = 64;
+
+struct FwdVariant { void (*kernel)(fwd::Params); int cluster, ksub, ring; };
+const FwdVariant kFwdVariants[] = {
+    {fwd::wave_t<1, 2, 6>, 1, 2, 6},  // 0: 128-wide stages
+    {fwd::wave_t<1, 1, 7>, 1, 1, 7},  // 1: 64-wide stages, as cuBLAS's 64 x 7
+    {fwd::wave_t<2, 2, 6>, 2, 2, 6},  // 2: clusters of 2 share W's tile by multicast
+    {fwd::wave_t<2, 1, 7>, 2, 1, 7},  // 3
+};
+struct BwdVariant { void (*kernel)(bwd::Params); int ksub, ring; };
+const BwdVariant kBwdVariants[] = {
+    {bwd::wave_bwd<1, 4>, 1, 4},  // 0: 64-wide stages
+    {bwd::wave_bwd<2, 4>, 2, 4},  // 1: 128-wide stages
+};
+constexpr int kFwdCount = sizeof(kFwdVariants) / sizeof(kFwdVariants[0]);
+constexpr int kBwdCount = sizeof(kBwdVariants) / sizeof(kBwdVariants[0]);
+
+int encode_checked(CUtensorMap* map, const void* ptr, long rows, long cols, bool fp32,
+                   int box_cols, int box_rows, CUtensorMapSwizzle swizzle) {
+  if (!encoder()) return kNoEncoder;
+  const CUresult r = encode_2d(map, ptr, rows, cols, fp32, box_cols, box_rows, swizzle);
+  return r == CUDA_SUCCESS ? 0 : kEncodeFailed + static_cast<int>(r);
+}
+
+// the large dynamic shared memory is opted into once per device and kernel
+template <typename Kernel>
+int allow_smem(int device, Kernel kernel, int bytes, bool (&done)[kMaxDevices]) {
+  if (done[device]) return 0;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  done[device] = true;
+  return 0;
+}
+
+template <typename P>
+int launch(void (*kernel)(P), const P& p, int ctas, int cluster, int smem, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(ctas);
+  cfg.blockDim = dim3(256);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+uint32_t drop_threshold(float p_drop) {
+  return static_cast<uint32_t>(static_cast<double>(p_drop) * 65536.0 + 0.5);
+}
+
+}  // namespace
+
+extern "C" {
+
+// The forward of an L-layer stack (L <= 3, hidden 1024), T steps, batch B (a multiple of 96, or
+// of 192 with the cluster variants). Per layer l, all contiguous fp16 unless said:
+//   x_in[l]   [T*B, kin[l]]: the layer's input (l > 0: yseq[l - 1]); kin[l] % 128 == 0
+//   hseq[l]   [(T+1)*B, H]: slot 0 = h0 (the caller zeroes it), slot t + 1 = h(t)
+//   yseq[l]   [T*B, H]: dropout(h); the last layer's is the stack's output
+//   cstate[l] [B, H] fp32: c0 in (the caller zeroes it), c(T - 1) out
+//   factors[l][6, T*B, H]: what the backward reads
+//   bias[l]   [4H] fp32, w[l] [4H, kin[l] + H]: b_ih + b_hh and [W_ih | W_hh], rows permuted
+//             (rnnt/kernels/lstm_wave.py: gate_permutation)
+// seed: one uint32 on the device. Returns 0 or a code that wave_lstm_error describes.
+int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void* const* x_in,
+                      void* const* hseq, void* const* yseq, void* const* cstate,
+                      void* const* factors, void* const* bias, void* const* w, float p_drop,
+                      const void* seed, int variant, void* stream) {
+  if (variant < 0 || variant >= kFwdCount) return kBadVariant;
+  const FwdVariant& v = kFwdVariants[variant];
+  if (layers < 1 || layers > fwd::MAX_LAYERS || T < 1 || B < fwd::BN || B % fwd::BN ||
+      B / fwd::BN % v.cluster || !(p_drop >= 0.f && p_drop < 1.f))
+    return kBadShape;
+  for (int l = 0; l < layers; ++l)
+    if (kin[l] < fwd::BK * v.ksub || kin[l] % (fwd::BK * v.ksub)) return kBadShape;
+  if (device < 0 || device >= kMaxDevices) return kBadShape;
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  fwd::Params p = {};
+  const auto SW128 = CU_TENSOR_MAP_SWIZZLE_128B, SW64 = CU_TENSOR_MAP_SWIZZLE_64B;
+  const long rows = static_cast<long>(T) * B, rows1 = rows + B;
+  for (int l = 0; l < layers; ++l) {
+    int r = encode_checked(&p.in[l], x_in[l], rows, kin[l], false, fwd::BK, fwd::BN, SW128);
+    if (!r) r = encode_checked(&p.hl[l], hseq[l], rows1, HID, false, fwd::BK, fwd::BN, SW128);
+    if (!r)
+      r = encode_checked(&p.w[l], w[l], 4 * HID, kin[l] + HID, false, fwd::BK,
+                         fwd::BM / v.cluster, SW128);
+    if (!r) r = encode_checked(&p.c[l], cstate[l], B, HID, true, 32, fwd::BN, SW128);
+    if (!r) r = encode_checked(&p.hs[l], hseq[l], rows1, HID, false, 32, fwd::BN, SW64);
+    if (!r) r = encode_checked(&p.ys[l], yseq[l], rows, HID, false, 32, fwd::BN, SW64);
+    if (!r)
+      r = encode_checked(&p.fac[l], factors[l], fwd::N_FACTORS * rows, HID, false, 32, fwd::BN,
+                         SW64);
+    if (r) return r;
+    p.bias[l] = static_cast<const float*>(bias[l]);
+    p.kin_blocks[l] = kin[l] / fwd::BK;
+  }
+  p.T = T;
+  p.B = B;
+  p.keep_scale = 1.f / (1.f - p_drop);
+  p.drop_threshold = drop_threshold(p_drop);
+  p.seed = static_cast<const uint32_t*>(seed);
+  const int smem = fwd::smem_bytes(v.ring);
+  static bool smem_done[kFwdCount][kMaxDevices] = {};
+  int r = allow_smem(device, v.kernel, smem, smem_done[variant]);
+  if (r) return r;
+  // wave w runs layer l at step w - l, for every layer with 0 <= w - l < T
+  for (int wave = 0; wave < T + layers - 1; ++wave) {
+    const int first = wave - (T - 1) > 0 ? wave - (T - 1) : 0;
+    const int last = wave < layers - 1 ? wave : layers - 1;
+    p.layer0 = first;
+    p.wave = wave;
+    r = launch(v.kernel, p, (last - first + 1) * fwd::N_TILES * (B / fwd::BN), v.cluster, smem,
+               static_cast<cudaStream_t>(stream));
+    if (r) return r;
+  }
+  return 0;
+}
+
+// The backward waves of the same stack (B a multiple of 192). Per layer l:
+//   wt[l] [kin[l] + H, 4H] fp16: w[l] transposed;  fac[l]: the forward's factors
+//   dz[l] [T*B, 4H] fp16 (written): the gates' gradient, in w[l]'s permuted row order
+//   dc[l] [B, H] fp32 (scratch)
+// dy_top [T*B, H] fp16: the gradient of the last layer's yseq. The weight gradients, the bias
+// gradients and the input's gradient are GEMMs over dz afterwards (lstm_wave.py).
+int wave_lstm_backward(int device, int layers, int T, int B, const int* kin, void* const* wt,
+                       void* const* dz, void* const* fac, void* const* dc, void* dy_top,
+                       float p_drop, const void* seed, int variant, void* stream) {
+  if (variant < 0 || variant >= kBwdCount) return kBadVariant;
+  const BwdVariant& v = kBwdVariants[variant];
+  if (layers < 1 || layers > bwd::MAX_LAYERS || T < 1 || B < 2 * bwd::BN || B % (2 * bwd::BN) ||
+      !(p_drop >= 0.f && p_drop < 1.f))
+    return kBadShape;
+  for (int l = 0; l < layers; ++l)
+    if (kin[l] < bwd::BK || kin[l] % bwd::BK) return kBadShape;
+  if (device < 0 || device >= kMaxDevices) return kBadShape;
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  bwd::Params p = {};
+  const auto SW128 = CU_TENSOR_MAP_SWIZZLE_128B;
+  const long rows = static_cast<long>(T) * B;
+  for (int l = 0; l < layers; ++l) {
+    int r = encode_checked(&p.wt[l], wt[l], kin[l] + HID, 4 * HID, false, bwd::BK, bwd::BM, SW128);
+    if (!r) r = encode_checked(&p.dz[l], dz[l], rows, 4 * HID, false, bwd::BK, bwd::BN, SW128);
+    if (!r) r = encode_checked(&p.fac[l], fac[l], 6 * rows, HID, false, 64, bwd::BN, SW128);
+    if (!r) r = encode_checked(&p.dc[l], dc[l], B, HID, true, 32, bwd::BN, SW128);
+    if (r) return r;
+    p.kin[l] = kin[l];
+  }
+  int r = encode_checked(&p.dy, dy_top, rows, HID, false, 64, bwd::BN, SW128);
+  if (r) return r;
+  p.T = T;
+  p.B = B;
+  p.L = layers;
+  p.keep_scale = 1.f / (1.f - p_drop);
+  p.drop_threshold = drop_threshold(p_drop);
+  p.seed = static_cast<const uint32_t*>(seed);
+  const int smem = bwd::smem_bytes(v.ring);
+  static bool smem_done[kBwdCount][kMaxDevices] = {};
+  r = allow_smem(device, v.kernel, smem, smem_done[variant]);
+  if (r) return r;
+  const int L = layers, nb = B / bwd::BN;
+  // wave v runs layer l at step T - 1 - v + (L - 1 - l), for every layer where that is in range
+  for (int wave = 0; wave < T + L - 1; ++wave) {
+    const int lo = L - 1 - wave > 0 ? L - 1 - wave : 0;
+    const int hi = L - 1 + (T - 1 - wave) < L - 1 ? L - 1 + (T - 1 - wave) : L - 1;
+    p.lo = lo;
+    p.hi = hi;
+    p.wave = wave;
+    int ctas = 0;  // a cluster pair per (unit tile, batch tile) below the top layer
+    for (int l = lo; l <= hi; ++l) ctas += bwd::U_TILES * nb * (l == L - 1 ? 1 : 2);
+    r = launch(v.kernel, p, ctas, 2, smem, static_cast<cudaStream_t>(stream));
+    if (r) return r;
+  }
+  return 0;
+}
+
+const char* wave_lstm_error(int code) {
+  if (code == kBadShape)
+    return "unsupported shape (needs 1 to 3 layers, hidden 1024, T >= 1, a batch that is a "
+           "multiple of 96 (forward) and 192 (backward and the cluster variants), layer inputs "
+           "that are multiples of 128 features, 0 <= p < 1)";
+  if (code == kBadVariant) return "no such kernel variant";
+  if (code == kNoEncoder) return "the CUDA driver has no cuTensorMapEncodeTiled (needs >= 12.0)";
+  if (code >= kEncodeFailed)
+    return "cuTensorMapEncodeTiled failed (an operand not 16-byte aligned or not contiguous?)";
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+int wave_lstm_variants(int backward) { return backward ? kBwdCount : kFwdCount; }
+
+// Whether the kernels keep element (t, b, unit) of layer `layer`'s output: the very functions
+// the kernels call, on the host, so that tests can hold keep_mask in lstm_wave.py to them.
+int wave_lstm_kept(uint32_t seed, int layer, int t, int b, int unit, float p_drop) {
+  const uint32_t key = drop_key(step_seed(seed, layer, t), b & ~1, unit);
+  return !dropped(key, b & 1, drop_threshold(p_drop));
+}
+
+}  // extern "C"

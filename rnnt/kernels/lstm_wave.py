@@ -1,0 +1,430 @@
+"""The encoder's LSTM stacks as waves of Hopper kernels: `model.encoder_lstm: wave`.
+
+cuDNN runs an LSTM stack as one GEMM and one cell kernel per layer and time step, about 3,400
+dependent launches per training step at batch 192, each too small to fill an H200.
+`csrc/lstm_wave_sm90.cu` runs every layer of a stack in one launch per "wave" (layer l at step
+w - l), with the cell fused into the GEMM's epilogue, and a matching backward; the design and its
+measurements are in docs/PERFORMANCE.md.
+
+Three implementations of one contract, so that each is checked against the next:
+- `stack_reference`: the maths in plain PyTorch with autograd (the oracle; it is itself checked
+  against nn.LSTM);
+- `TorchKernels`: the two kernels' buffer contract (permuted weights, six factor planes, gate
+  gradients in the permuted order) in plain PyTorch; the CPU path of `encoder_lstm: wave`, and
+  the reference the CUDA kernels are compared with buffer by buffer;
+- `CudaKernels`: the sm_90a kernels.
+`lstm_stack` runs a stack through `_WaveStack` (autograd) with the CUDA kernels on a GPU and
+`TorchKernels` elsewhere.
+
+Dropout: a counter-based hash of (seed, layer, step, batch row, unit) decides each keep
+(`keep_mask`), so the backward recomputes the mask instead of storing it, and a padded batch
+leaves the real rows' masks unchanged. The seed is a one-element int32 tensor on the device,
+drawn from torch's generator on every call, so CUDA-graph replays draw fresh masks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from rnnt.kernels.cuda_build import SM90A_FLAGS, BuildError, load
+
+# one layer's nn.LSTM parameters: w_ih (4H, K), w_hh (4H, H), b_ih (4H,), b_hh (4H,); gates
+# (i, f, g, o) as nn.LSTM orders them
+LayerWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+SOURCE = Path(__file__).parent / "csrc" / "lstm_wave_sm90.cu"
+HIDDEN = 1024  # the kernels' hidden size
+MAX_LAYERS = 3
+BATCH_MULTIPLE = 192  # the backward's clusters pair two 96-row batch tiles
+INPUT_MULTIPLE = 128  # one 128-wide K stage of the forward
+# tile variants (csrc: kFwdVariants, kBwdVariants); bench/encoder_lstm.py times them all
+FORWARD_VARIANT = 0
+BACKWARD_VARIANT = 0
+N_FACTORS = 6
+
+_M32 = 0xFFFFFFFF
+
+
+# ----------------------------------------------------------------------------------------------
+# dropout
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 tensors of uint32 values, without int64 overflow."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' 32-bit mixer (lowbias32) on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def drop_threshold(p: float) -> int:
+    """A row is dropped when its 16 key bits are below this; p is rounded as the kernels' fp32."""
+    p32 = struct.unpack("f", struct.pack("f", p))[0]
+    return int(p32 * 65536.0 + 0.5)
+
+
+def keep_mask(
+    seed: torch.Tensor, layer: int, steps: int, batch: int, hidden: int, p: float
+) -> torch.Tensor:
+    """Which elements of layer `layer`'s output survive dropout: bool (steps, batch, hidden).
+
+    One 32-bit hash per (step, pair of batch rows, unit), 16 bits per row: the keys do not
+    depend on `batch`, so the first rows of a larger batch get the same mask. `seed` is a
+    one-element integer tensor; the result is on its device, computed without a host sync.
+    """
+    device = seed.device
+    s = seed.reshape(()).to(torch.int64) & _M32
+    layer_seed = mix32((s + 0x9E3779B9 * (layer + 1)) & _M32)
+    t = torch.arange(steps, dtype=torch.int64, device=device)
+    step_seed = mix32((layer_seed + 0x85EBCA6B * (t + 1)) & _M32).view(steps, 1, 1)
+    b = torch.arange(batch, dtype=torch.int64, device=device).view(1, batch, 1)
+    unit = torch.arange(hidden, dtype=torch.int64, device=device).view(1, 1, hidden)
+    key = mix32(step_seed ^ (((b >> 1) * hidden + unit) & _M32))
+    bits = torch.where(b % 2 == 1, key >> 16, key & 0xFFFF)
+    return bits >= drop_threshold(p)
+
+
+def _dropout_scale(p: float) -> float:
+    return 1.0 / (1.0 - p)
+
+
+# ----------------------------------------------------------------------------------------------
+# the oracle
+
+
+def stack_reference(
+    x: torch.Tensor, layers: Sequence[LayerWeights], p: float, seed: torch.Tensor
+) -> torch.Tensor:
+    """An LSTM stack with `keep_mask` dropout after every layer, in plain PyTorch (autograd).
+
+    x (T, B, K) -> (T, B, H), zero initial state, in x's dtype.
+    """
+    steps, batch, _ = x.shape
+    for index, (w_ih, w_hh, b_ih, b_hh) in enumerate(layers):
+        hidden = w_hh.shape[1]
+        pre = x @ w_ih.T + (b_ih + b_hh)
+        h = x.new_zeros(batch, hidden)
+        c = x.new_zeros(batch, hidden)
+        out = []
+        for t in range(steps):
+            i, f, g, o = (pre[t] + h @ w_hh.T).chunk(4, 1)
+            c = f.sigmoid() * c + i.sigmoid() * g.tanh()
+            h = o.sigmoid() * c.tanh()
+            out.append(h)
+        x = torch.stack(out)
+        if p > 0:
+            x = x * keep_mask(seed, index, steps, batch, hidden, p) * _dropout_scale(p)
+    return x
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernels' contract
+
+
+def gate_permutation(hidden: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The kernels' row order of [W_ih | W_hh] and of the gate gradients: row j is nn.LSTM's
+    row perm[j]. In tile n of 128 rows, row 64 half + 16 warp + 8 i + r is gate 2 half + i of
+    unit 32 n + 8 warp + r, so that wgmma's accumulator layout gives each thread all four gates
+    of one unit."""
+    if hidden % 32:
+        raise ValueError(
+            f"the wave kernels' gate order needs a hidden size divisible by 32, not {hidden}"
+        )
+    j = torch.arange(4 * hidden, device=device)
+    n, m = j // 128, j % 128
+    half, warp, i, r = m // 64, (m % 64) // 16, (m % 16) // 8, m % 8
+    return (2 * half + i) * hidden + 32 * n + 8 * warp + r
+
+
+class TorchKernels:
+    """The two kernels' contract in plain PyTorch: the same buffers, filled with the same maths
+    (csrc/lstm_wave_sm90.cu documents each buffer). Arithmetic in fp32 for fp16 buffers, in the
+    buffers' dtype otherwise."""
+
+    @staticmethod
+    def _acc(dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+    def forward(self, x_in, hseq, yseq, cstate, factors, bias, w, p, seed) -> None:
+        hidden = hseq[0].shape[1]
+        batch = cstate[0].shape[0]
+        steps = yseq[0].shape[0] // batch
+        acc = self._acc(w[0].dtype)
+        perm = gate_permutation(hidden, w[0].device)
+        scale = _dropout_scale(p)
+        for layer in range(len(w)):
+            inp = (x_in[layer] if layer == 0 else yseq[layer - 1]).view(steps, batch, -1)
+            hs = hseq[layer].view(steps + 1, batch, hidden)
+            weight = w[layer].to(acc)
+            keep = keep_mask(seed, layer, steps, batch, hidden, p) if p > 0 else None
+            c = cstate[layer].to(acc)
+            for t in range(steps):
+                z_perm = torch.cat([inp[t], hs[t]], 1).to(acc) @ weight.T + bias[layer].to(acc)
+                z = torch.empty_like(z_perm)
+                z[:, perm] = z_perm
+                i, f, g, o = z.chunk(4, 1)
+                i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
+                c_prev = c
+                c = f * c_prev + i * g
+                tc = c.tanh()
+                hs[t + 1] = o * tc
+                h = hs[t + 1].to(acc)  # the kernels drop out the rounded h
+                y = h if keep is None else torch.where(keep[t], h * scale, 0.0)
+                yseq[layer].view(steps, batch, hidden)[t] = y
+                plane = factors[layer].view(N_FACTORS, steps, batch, hidden)[:, t]
+                plane[0] = o * (1 - tc * tc)
+                plane[1] = g * i * (1 - i)
+                plane[2] = c_prev * f * (1 - f)
+                plane[3] = i * (1 - g * g)
+                plane[4] = tc * o * (1 - o)
+                plane[5] = f
+            cstate[layer].copy_(c)
+
+    def backward(self, kin, wt, dz, fac, dc, dy_top, p, seed) -> None:
+        layers = len(wt)
+        batch, hidden = dc[0].shape
+        steps = dy_top.shape[0] // batch
+        acc = self._acc(wt[0].dtype)
+        perm = gate_permutation(hidden, wt[0].device)
+        scale = _dropout_scale(p)
+        for layer in reversed(range(layers)):
+            w_hh = wt[layer][kin[layer] :].to(acc)  # (H, 4H): W_hh^T, permuted gate columns
+            above = None if layer == layers - 1 else wt[layer + 1][: kin[layer + 1]].to(acc)
+            keep = keep_mask(seed, layer, steps, batch, hidden, p) if p > 0 else None
+            planes = fac[layer].view(N_FACTORS, steps, batch, hidden).to(acc)
+            gates = dz[layer].view(steps, batch, 4 * hidden)
+            dc_next = None
+            for t in reversed(range(steps)):
+                if above is None:
+                    dy = dy_top.view(steps, batch, hidden)[t].to(acc)
+                else:
+                    dy = dz[layer + 1].view(steps, batch, 4 * hidden)[t].to(acc) @ above.T
+                if keep is not None:
+                    dy = torch.where(keep[t], dy * scale, 0.0)
+                dh = dy if t == steps - 1 else dy + gates[t + 1].to(acc) @ w_hh.T
+                a1, a2, a3, a4, a5, _ = planes[:, t]
+                d_cell = dh * a1
+                if dc_next is not None:
+                    d_cell = d_cell + planes[5, t + 1] * dc_next
+                dc_next = d_cell
+                dz_gates = torch.cat([d_cell * a2, d_cell * a3, d_cell * a4, dh * a5], 1)
+                gates[t] = dz_gates[:, perm]
+            dc[layer].copy_(dc_next)
+
+
+class CudaKernels:
+    """The sm_90a kernels (csrc/lstm_wave_sm90.cu), queued on the current stream."""
+
+    def __init__(
+        self, forward_variant: int = FORWARD_VARIANT, backward_variant: int = BACKWARD_VARIANT
+    ):
+        self.forward_variant = forward_variant
+        self.backward_variant = backward_variant
+        self.lib = library()
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc:
+            raise RuntimeError(
+                f"LSTM wave kernels, {what}: {self.lib.wave_lstm_error(rc).decode()}"
+            )
+
+    @staticmethod
+    def _ptrs(tensors: Sequence[torch.Tensor]):
+        return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+    def forward(self, x_in, hseq, yseq, cstate, factors, bias, w, p, seed) -> None:
+        layers = len(w)
+        batch = cstate[0].shape[0]
+        steps = yseq[0].shape[0] // batch
+        device = w[0].device
+        kin = [x_in[0].shape[1]] + [HIDDEN] * (layers - 1)
+        inputs = [x_in[0]] + list(yseq[:-1])
+        rc = self.lib.wave_lstm_forward(
+            device.index, layers, steps, batch, (ctypes.c_int * layers)(*kin), self._ptrs(inputs),
+            self._ptrs(hseq), self._ptrs(yseq), self._ptrs(cstate), self._ptrs(factors),
+            self._ptrs(bias), self._ptrs(w), ctypes.c_float(p), ctypes.c_void_p(seed.data_ptr()),
+            self.forward_variant, ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
+        )  # fmt: skip
+        self._check(rc, "forward")
+
+    def backward(self, kin, wt, dz, fac, dc, dy_top, p, seed) -> None:
+        layers = len(wt)
+        batch = dc[0].shape[0]
+        steps = dy_top.shape[0] // batch
+        device = wt[0].device
+        rc = self.lib.wave_lstm_backward(
+            device.index, layers, steps, batch, (ctypes.c_int * layers)(*kin), self._ptrs(wt),
+            self._ptrs(dz), self._ptrs(fac), self._ptrs(dc), ctypes.c_void_p(dy_top.data_ptr()),
+            ctypes.c_float(p), ctypes.c_void_p(seed.data_ptr()), self.backward_variant,
+            ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
+        )  # fmt: skip
+        self._check(rc, "backward")
+
+
+def library() -> ctypes.CDLL:
+    """The built kernel library (compiled on first use; raises BuildError)."""
+    lib = load(SOURCE, SM90A_FLAGS)
+    if not getattr(lib, "_typed", False):
+        ptrs = ctypes.POINTER(ctypes.c_void_p)
+        lib.wave_lstm_forward.argtypes = (
+            [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)] + [ptrs] * 7
+            + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        )  # fmt: skip
+        lib.wave_lstm_forward.restype = ctypes.c_int
+        lib.wave_lstm_backward.argtypes = (
+            [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)] + [ptrs] * 4
+            + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        )  # fmt: skip
+        lib.wave_lstm_backward.restype = ctypes.c_int
+        lib.wave_lstm_error.argtypes = [ctypes.c_int]
+        lib.wave_lstm_error.restype = ctypes.c_char_p
+        lib.wave_lstm_variants.argtypes = [ctypes.c_int]
+        lib.wave_lstm_variants.restype = ctypes.c_int
+        lib.wave_lstm_kept.argtypes = [ctypes.c_uint32] + [ctypes.c_int] * 4 + [ctypes.c_float]
+        lib.wave_lstm_kept.restype = ctypes.c_int
+        lib._typed = True
+    return lib
+
+
+def unsupported(device: torch.device, hidden: int, n_layers: int) -> str | None:
+    """Why the CUDA kernels cannot run a stack of `n_layers` of `hidden` units here, or None."""
+    if device.type != "cuda":
+        return f"they need a CUDA device, not {device}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(device)
+        return f"they need a Hopper GPU (compute capability 9.0); {name} is {major}.{minor}"
+    if hidden != HIDDEN or not 1 <= n_layers <= MAX_LAYERS:
+        return (
+            f"they run stacks of 1 to {MAX_LAYERS} layers of hidden size {HIDDEN} (this one: "
+            f"{n_layers} layers of {hidden})"
+        )
+    try:
+        library()
+    except BuildError as err:
+        return str(err)
+    return None
+
+
+@functools.cache
+def _cuda_kernels() -> CudaKernels:
+    return CudaKernels()
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd
+
+
+class _WaveStack(torch.autograd.Function):
+    """y = stack(x) through a kernels object (TorchKernels or CudaKernels). x (T, B, K) with B a
+    multiple of BATCH_MULTIPLE and K of INPUT_MULTIPLE; weights in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, kernels, p: float, seed: torch.Tensor, x: torch.Tensor, *flat: torch.Tensor):
+        steps, batch, k_in = x.shape
+        n_layers, hidden = len(flat) // 4, flat[1].shape[1]
+        acc = TorchKernels._acc(x.dtype)
+        perm = gate_permutation(hidden, x.device)
+        w = [torch.cat(flat[4 * l : 4 * l + 2], 1)[perm].contiguous() for l in range(n_layers)]
+        bias = [
+            (flat[4 * l + 2].to(acc) + flat[4 * l + 3].to(acc))[perm].contiguous()
+            for l in range(n_layers)
+        ]
+        rows = steps * batch
+        x_rows = x.reshape(rows, k_in)
+        hseq = [x.new_empty((rows + batch), hidden) for _ in range(n_layers)]
+        for h in hseq:
+            h[:batch].zero_()
+        yseq = [x.new_empty(rows, hidden) for _ in range(n_layers)]
+        cstate = [x.new_zeros(batch, hidden, dtype=acc) for _ in range(n_layers)]
+        factors = [x.new_empty(N_FACTORS, rows, hidden) for _ in range(n_layers)]
+        kernels.forward([x_rows], hseq, yseq, cstate, factors, bias, w, p, seed)
+        ctx.save_for_backward(seed, x_rows, *w, *hseq, *yseq[:-1], *factors)
+        ctx.meta = (kernels, p, steps, batch, k_in, n_layers, hidden)
+        return yseq[-1].view(steps, batch, hidden)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y: torch.Tensor):
+        kernels, p, steps, batch, k_in, n_layers, hidden = ctx.meta
+        seed, x_rows, *rest = ctx.saved_tensors
+        w = rest[:n_layers]
+        hseq = rest[n_layers : 2 * n_layers]
+        yseq = rest[2 * n_layers : 3 * n_layers - 1]
+        factors = rest[3 * n_layers - 1 :]
+        rows, dtype = steps * batch, x_rows.dtype
+        acc = TorchKernels._acc(dtype)
+        kin = [k_in] + [hidden] * (n_layers - 1)
+        wt = [weight.t().contiguous() for weight in w]
+        dz = [x_rows.new_empty(rows, 4 * hidden) for _ in range(n_layers)]
+        dc = [x_rows.new_empty(batch, hidden, dtype=acc) for _ in range(n_layers)]
+        dy = grad_y.to(dtype).contiguous().view(rows, hidden)
+        kernels.backward(kin, wt, dz, factors, dc, dy, p, seed)
+        # dz's columns are in the permuted gate order, so the weight gradients' rows are too
+        inverse = torch.argsort(gate_permutation(hidden, x_rows.device))
+        grads = []
+        for layer in range(n_layers):
+            inp = x_rows if layer == 0 else yseq[layer - 1]
+            d_gates_t = dz[layer].t()
+            grad_bias = dz[layer].sum(0, dtype=acc)[inverse].to(dtype)
+            grads += [
+                (d_gates_t @ inp)[inverse],
+                (d_gates_t @ hseq[layer][:rows])[inverse],
+                grad_bias,
+                grad_bias,
+            ]
+        grad_x = None
+        if ctx.needs_input_grad[3]:
+            grad_x = (dz[0] @ w[0][:, :k_in]).view(steps, batch, k_in)
+        return (None, None, None, grad_x, *grads)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def lstm_stack(
+    x: torch.Tensor, layers: Sequence[LayerWeights], p: float, seed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """An LSTM stack with dropout p after every layer, zero initial state: x (T, B, K) ->
+    (T, B, H). The CUDA kernels on a GPU (fp16; an error says why where they cannot run),
+    TorchKernels elsewhere. `seed` (a one-element int32 tensor on x's device) is drawn from
+    torch's generator when not given. The batch is padded to a multiple of 192 and the first
+    layer's input to a multiple of 128 features, invisibly to the caller."""
+    if seed is None:
+        seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=x.device)
+    if x.is_cuda:
+        reason = unsupported(x.device, layers[0][1].shape[1], len(layers))
+        if reason is not None:
+            raise RuntimeError(f"model.encoder_lstm: the wave kernels cannot run: {reason}")
+        kernels, dtype = _cuda_kernels(), torch.float16
+    else:
+        kernels, dtype = TorchKernels(), x.dtype
+    steps, batch, k_in = x.shape
+    pad_b = _round_up(batch, BATCH_MULTIPLE) - batch
+    pad_k = _round_up(k_in, INPUT_MULTIPLE) - k_in
+    x = F.pad(x.to(dtype), (0, pad_k, 0, pad_b)).contiguous()
+    flat = []
+    for index, weights in enumerate(layers):
+        w_ih, w_hh, b_ih, b_hh = (t.to(dtype) for t in weights)
+        if index == 0 and pad_k:
+            w_ih = F.pad(w_ih, (0, pad_k))
+        flat += [w_ih, w_hh, b_ih, b_hh]
+    y = _WaveStack.apply(kernels, p, seed, x, *flat)
+    return y[:, :batch] if pad_b else y

@@ -1,0 +1,452 @@
+"""The wave LSTM (rnnt/kernels/lstm_wave.py): its dropout hash, its plain-PyTorch oracle against
+nn.LSTM, the kernels' contract in plain PyTorch against the oracle, the model switch, and (on a
+Hopper GPU) the CUDA kernels against both."""
+
+import ctypes
+
+import pytest
+import torch
+from torch import nn
+
+from rnnt.config import ConfigError
+from rnnt.kernels import cuda_build, lstm_wave
+from rnnt.kernels.lstm_wave import keep_mask, lstm_stack, stack_reference
+from rnnt.model import RNNT
+from tests.unit.test_model import tiny_cfg
+
+F64 = torch.float64
+
+
+def hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(not hopper(), reason="needs a Hopper GPU (sm_90)")
+
+
+def random_stack(k_in, hidden, n_layers, dtype=F64, device="cpu", scale=0.3, grad=True):
+    gen = torch.Generator().manual_seed(7)
+    layers = []
+    for index in range(n_layers):
+        shapes = ((4 * hidden, k_in if index == 0 else hidden), (4 * hidden, hidden))
+        shapes += ((4 * hidden,), (4 * hidden,))
+        layers.append(
+            tuple(
+                (torch.randn(*s, generator=gen, dtype=F64) * scale)
+                .to(device, dtype)
+                .requires_grad_(grad)
+                for s in shapes
+            )
+        )
+    return layers
+
+
+def seed_tensor(value, device="cpu"):
+    return torch.tensor([value], dtype=torch.int32, device=device)
+
+
+def flat(layers):
+    return [t for weights in layers for t in weights]
+
+
+# ----------------------------------------------------------------------------------------------
+# dropout keys
+
+
+def mix_python(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_the_hash_is_exact_32_bit_arithmetic():
+    values = [0, 1, 2, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0xDEADBEEF, 123456789]
+    values += torch.randint(0, 2**32, (200,), dtype=torch.int64).tolist()
+    got = lstm_wave.mix32(torch.tensor(values, dtype=torch.int64)).tolist()
+    assert got == [mix_python(v) for v in values]
+
+
+def test_keep_mask_follows_the_key_recipe():
+    """Element (t, b, u) of layer l: 16 bits of mix(step ^ ((b >> 1) H + u)), low bits for even
+    rows, with step = mix(mix(seed + golden (l + 1)) + 0x85ebca6b (t + 1))."""
+    seed, layer, hidden, p = 987654321, 1, 64, 0.25
+    mask = keep_mask(seed_tensor(seed), layer, 4, 6, hidden, p)
+    threshold = lstm_wave.drop_threshold(p)
+    assert threshold == 16384
+    for t, b, u in ((0, 0, 0), (3, 5, 63), (2, 1, 17), (1, 4, 40)):
+        layer_seed = mix_python((seed + 0x9E3779B9 * (layer + 1)) & 0xFFFFFFFF)
+        step = mix_python((layer_seed + 0x85EBCA6B * (t + 1)) & 0xFFFFFFFF)
+        key = mix_python(step ^ ((b >> 1) * hidden + u))
+        bits = key >> 16 if b % 2 else key & 0xFFFF
+        assert bool(mask[t, b, u]) == (bits >= threshold)
+
+
+def test_keep_mask_rate_independence_and_batch_invariance():
+    seed = seed_tensor(1234)
+    mask = keep_mask(seed, 0, 60, 64, 256, 0.1)
+    assert abs((~mask).float().mean().item() - 0.1) < 0.004
+    # the two rows of a key pair use different bits: they agree as often as independent draws
+    agree = (mask[:, 0::2] == mask[:, 1::2]).float().mean().item()
+    assert abs(agree - (0.9**2 + 0.1**2)) < 0.01
+    # a smaller batch is a prefix: padding the batch leaves the real rows' masks alone
+    assert torch.equal(keep_mask(seed, 0, 60, 10, 256, 0.1), mask[:, :10])
+    # layers, seeds and steps draw different masks
+    assert not torch.equal(keep_mask(seed, 1, 60, 64, 256, 0.1), mask)
+    assert not torch.equal(keep_mask(seed_tensor(1235), 0, 60, 64, 256, 0.1), mask)
+    assert not torch.equal(mask[0], mask[1])
+    assert keep_mask(seed, 0, 3, 4, 8, 0.0).all()
+
+
+def test_the_threshold_rounds_p_as_the_kernels_float32():
+    assert lstm_wave.drop_threshold(0.1) == 6554  # 0.1f * 65536 = 6553.6001
+    assert lstm_wave.drop_threshold(0.3) == 19661
+    assert lstm_wave.drop_threshold(0.0) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# the oracle against nn.LSTM
+
+
+def nn_lstm_stack(x, layers, masks, p):
+    """Per-layer nn.LSTM (float64) with the given keep masks after every layer."""
+    y = x
+    modules = []
+    for weights in layers:
+        lstm = nn.LSTM(weights[0].shape[1], weights[1].shape[1]).double()
+        with torch.no_grad():
+            for name, value in zip(("weight_ih", "weight_hh", "bias_ih", "bias_hh"), weights):
+                getattr(lstm, f"{name}_l0").copy_(value)
+        y, _ = lstm(y)
+        if masks is not None:
+            y = y * masks[len(modules)] / (1 - p)
+        modules.append(lstm)
+    return y, modules
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_the_reference_is_nn_lstm_with_the_hash_masks(p):
+    steps, batch, k_in, hidden, n_layers = 9, 4, 8, 16, 3
+    layers = random_stack(k_in, hidden, n_layers)
+    x = torch.randn(steps, batch, k_in, dtype=F64, requires_grad=True)
+    seed = seed_tensor(55)
+    dy = torch.randn(steps, batch, hidden, dtype=F64)
+    y = stack_reference(x, layers, p, seed)
+    grads = torch.autograd.grad(y, [x, *flat(layers)], dy)
+    masks = [keep_mask(seed, i, steps, batch, hidden, p).double() for i in range(n_layers)]
+    x2 = x.detach().clone().requires_grad_(True)
+    y2, modules = nn_lstm_stack(x2, [tuple(t.detach() for t in w) for w in layers], masks, p)
+    y2.backward(dy)
+    assert torch.allclose(y, y2, atol=1e-12, rtol=0)
+    assert torch.allclose(grads[0], x2.grad, atol=1e-12, rtol=0)
+    for index, lstm in enumerate(modules):
+        got = grads[1 + 4 * index : 5 + 4 * index]
+        want = [
+            getattr(lstm, f"{n}_l0").grad for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+        ]
+        for g, w in zip(got, want):
+            assert torch.allclose(g, w, atol=1e-12, rtol=0)
+    if p:
+        dropped = [(~keep_mask(seed, i, steps, batch, hidden, p)).float().mean() for i in range(3)]
+        assert all(0.15 < d < 0.45 for d in dropped)
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernels' contract (TorchKernels through the autograd Function) against the oracle
+
+
+@pytest.mark.parametrize(
+    "steps,batch,k_in,hidden,n_layers,p",
+    [
+        (7, 5, 12, 32, 3, 0.3),
+        (5, 192, 128, 32, 2, 0.1),
+        (1, 3, 40, 64, 1, 0.0),
+        (6, 2, 32, 32, 2, 0.0),
+    ],
+)
+def test_the_factor_backward_equals_autograd_of_the_reference(
+    steps, batch, k_in, hidden, n_layers, p
+):
+    """y, dx and every parameter's gradient; batches and inputs that need padding included."""
+    layers = random_stack(k_in, hidden, n_layers)
+    x = torch.randn(steps, batch, k_in, dtype=F64, requires_grad=True)
+    seed = seed_tensor(4321)
+    dy = torch.randn(steps, batch, hidden, dtype=F64)
+    y = lstm_stack(x, layers, p, seed)
+    assert y.shape == (steps, batch, hidden)
+    got = torch.autograd.grad(y, [x, *flat(layers)], dy)
+    y_ref = stack_reference(x, layers, p, seed)
+    want = torch.autograd.grad(y_ref, [x, *flat(layers)], dy)
+    assert (y - y_ref).abs().max() < 1e-12
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert (g - w).abs().max() < 1e-11
+
+
+def test_the_saved_factors_in_fp16_keep_gradients_within_fp16_error():
+    """The kernels save the six factors in fp16: the same maths with fp16 buffers stays within
+    about 1e-3 of float64."""
+    steps, batch, k_in, hidden, n_layers, p = 6, 4, 32, 32, 2, 0.1
+    layers = random_stack(k_in, hidden, n_layers)
+    x = torch.randn(steps, batch, k_in, dtype=F64, requires_grad=True)
+    seed, dy = seed_tensor(9), torch.randn(steps, batch, hidden, dtype=F64)
+    want = torch.autograd.grad(stack_reference(x, layers, p, seed), [x, *flat(layers)], dy)
+    half = [tuple(t.detach().half().requires_grad_(True) for t in w) for w in layers]
+    x16 = x.detach().half().requires_grad_(True)
+    got = torch.autograd.grad(lstm_stack(x16, half, p, seed), [x16, *flat(half)], dy.half())
+    for g, w in zip(got, want):
+        assert ((g.double() - w).norm() / w.norm()).item() < 4e-3
+
+
+def test_the_gate_permutation_gives_a_thread_all_four_gates_of_one_unit():
+    hidden = 1024
+    perm = lstm_wave.gate_permutation(hidden)
+    assert torch.equal(perm.sort().values, torch.arange(4 * hidden))
+    for tile in (0, 5, 31):
+        for warp in range(4):
+            for r in range(8):
+                # a thread's accumulator rows: 16 warp + r and + 8, in both 64-row halves
+                rows = [
+                    tile * 128 + 64 * half + 16 * warp + 8 * i + r
+                    for half in (0, 1)
+                    for i in (0, 1)
+                ]
+                gate, unit = perm[rows] // hidden, perm[rows] % hidden
+                assert gate.tolist() == [0, 1, 2, 3]
+                assert unit.unique().tolist() == [32 * tile + 8 * warp + r]
+    with pytest.raises(ValueError, match="divisible by 32"):
+        lstm_wave.gate_permutation(24)
+
+
+# ----------------------------------------------------------------------------------------------
+# the model switch
+
+
+def test_an_unknown_encoder_lstm_is_named():
+    with pytest.raises(ConfigError, match="model.encoder_lstm: unknown LSTM 'cudnn9'"):
+        RNNT(tiny_cfg(encoder_lstm="cudnn9"))
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_the_wave_encoder_trains_the_same_function_on_the_same_parameters(decoupled):
+    kw = dict(enc_n_hid=32, in_feats=24, enc_dropout=0.0, decoupled_rnns=decoupled)
+    torch.manual_seed(0)
+    cudnn = RNNT(tiny_cfg(**kw)).double()
+    wave = RNNT(tiny_cfg(encoder_lstm="wave", **kw)).double()
+    assert list(wave.state_dict()) == list(cudnn.state_dict())
+    wave.load_state_dict(cudnn.state_dict())
+    x = torch.randn(11, 3, 24, dtype=F64)
+    lens = torch.tensor([11, 9, 4])
+    outs = []
+    for model in (cudnn, wave):
+        model.train()
+        f, f_lens = model.encoder(x, lens)
+        f.square().sum().backward()
+        outs.append((f, f_lens, {n: p.grad for n, p in model.encoder.named_parameters()}))
+    (f1, l1, g1), (f2, l2, g2) = outs
+    assert torch.equal(l1, l2)
+    assert (f1 - f2).abs().max() < 1e-12
+    for name in g1:
+        assert (g1[name] - g2[name]).abs().max() < 1e-10, name
+    # evaluation runs nn.LSTM in both
+    cudnn.eval(), wave.eval()
+    with torch.no_grad():
+        assert torch.equal(cudnn.encoder(x, lens)[0], wave.encoder(x, lens)[0])
+
+
+def test_the_wave_encoder_draws_fresh_dropout_per_call_from_torchs_generator():
+    model = RNNT(tiny_cfg(enc_n_hid=32, encoder_lstm="wave", enc_dropout=0.3)).train()
+    x, lens = torch.randn(6, 2, 16), torch.tensor([6, 6])
+    with torch.no_grad():
+        torch.manual_seed(3)
+        first = model.encoder(x, lens)[0]
+        second = model.encoder(x, lens)[0]
+        torch.manual_seed(3)
+        again = model.encoder(x, lens)[0]
+    assert not torch.equal(first, second)
+    assert torch.equal(first, again)
+
+
+def test_the_wave_stack_refuses_a_state():
+    model = RNNT(tiny_cfg(enc_n_hid=32, encoder_lstm="wave")).train()
+    state = (torch.zeros(2, 1, 32), torch.zeros(2, 1, 32))
+    with pytest.raises(ValueError, match="zero state"):
+        model.encoder.pre_rnn(torch.randn(3, 1, 16), state)
+
+
+# ----------------------------------------------------------------------------------------------
+# the CUDA source (nvcc, no GPU needed) and the kernels (Hopper GPU)
+
+
+@pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="needs nvcc")
+def test_the_kernel_source_builds_and_rejects_shapes_it_cannot_tile(tmp_path, monkeypatch):
+    monkeypatch.setenv(cuda_build.CACHE_ENV, str(tmp_path))
+    cuda_build.load.cache_clear()
+    try:
+        lib = lstm_wave.library()
+        assert lib.wave_lstm_variants(0) == 4 and lib.wave_lstm_variants(1) == 2
+        null = (ctypes.c_void_p * 3)()
+
+        def forward(layers, steps, batch, kin, p=0.1, variant=0):
+            kins = (ctypes.c_int * 3)(*kin)
+            return lib.wave_lstm_forward(
+                0, layers, steps, batch, kins, *[null] * 7, p, None, variant, None
+            )
+
+        def backward(layers, steps, batch, kin, p=0.1):
+            kins = (ctypes.c_int * 3)(*kin)
+            return lib.wave_lstm_backward(
+                0, layers, steps, batch, kins, *[null] * 4, None, p, None, 0, None
+            )
+
+        # shapes it cannot tile are refused before anything touches a GPU
+        for args in ((2, 10, 100, (256, 1024, 0)), (4, 10, 192, (256, 1024, 1024)),
+                     (2, 0, 192, (256, 1024, 0)), (2, 10, 192, (240, 1024, 0))):  # fmt: skip
+            rc = forward(*args)
+            assert "unsupported shape" in lib.wave_lstm_error(rc).decode()
+        assert (
+            "unsupported shape"
+            in lib.wave_lstm_error(forward(2, 10, 192, (256, 1024, 0), p=1.0)).decode()
+        )
+        assert (
+            "unsupported shape"
+            in lib.wave_lstm_error(forward(2, 10, 96, (256, 1024, 0), variant=2)).decode()
+        )
+        assert (
+            "no such kernel variant"
+            in lib.wave_lstm_error(forward(2, 10, 192, (256, 1024, 0), variant=4)).decode()
+        )
+        assert (
+            "unsupported shape" in lib.wave_lstm_error(backward(2, 10, 96, (256, 1024, 0))).decode()
+        )
+        # the kernels' own dropout functions, run on the host, agree with keep_mask everywhere
+        for seed, layer, p in ((1234, 0, 0.1), (2**31 - 2, 2, 0.3), (7, 1, 0.5)):
+            mask = keep_mask(seed_tensor(seed), layer, 5, 12, 1024, p)
+            kept = [
+                [
+                    [lib.wave_lstm_kept(seed, layer, t, b, u, p) for u in range(0, 1024, 7)]
+                    for b in range(12)
+                ]
+                for t in range(5)
+            ]
+            assert torch.equal(torch.tensor(kept, dtype=torch.bool), mask[:, :, ::7])
+    finally:
+        cuda_build.load.cache_clear()
+
+
+def test_off_hopper_the_kernels_say_why():
+    assert "CUDA device" in lstm_wave.unsupported(torch.device("cpu"), 1024, 2)
+
+
+def cuda_buffers(steps, batch, k_in, n_layers, p, seed, layers):
+    """Forward buffers filled by the CUDA kernels and by TorchKernels from the same inputs."""
+    dev, hidden = "cuda", lstm_wave.HIDDEN
+    perm = lstm_wave.gate_permutation(hidden, dev)
+    w = [torch.cat(layer[:2], 1)[perm].half().contiguous() for layer in layers]
+    bias = [(layer[2].float() + layer[3].float())[perm].contiguous() for layer in layers]
+    x = (torch.randn(steps * batch, k_in, device=dev)).half()
+    out = {}
+    for name, kernels in (("cuda", lstm_wave.CudaKernels()), ("torch", lstm_wave.TorchKernels())):
+        hseq = [
+            torch.zeros((steps + 1) * batch, hidden, device=dev, dtype=torch.float16)
+            for _ in layers
+        ]
+        yseq = [torch.zeros(steps * batch, hidden, device=dev, dtype=torch.float16) for _ in layers]
+        cstate = [torch.zeros(batch, hidden, device=dev) for _ in layers]
+        fac = [
+            torch.zeros(6, steps * batch, hidden, device=dev, dtype=torch.float16) for _ in layers
+        ]
+        kernels.forward([x], hseq, yseq, cstate, fac, bias, w, p, seed)
+        out[name] = dict(h=hseq, y=yseq, c=cstate, fac=fac)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("k_in,n_layers", [(256, 2), (2048, 3)], ids=["pre", "post"])
+def test_gpu_forward_buffers_match_the_torch_kernels(k_in, n_layers):
+    steps, batch, p = 6, 192, 0.1
+    layers = random_stack(
+        k_in, lstm_wave.HIDDEN, n_layers, dtype=torch.float32, device="cuda", scale=0.03, grad=False
+    )
+    seed = seed_tensor(77, "cuda")
+    out = cuda_buffers(steps, batch, k_in, n_layers, p, seed, layers)
+    for name in ("h", "y", "c", "fac"):
+        for got, want in zip(out["cuda"][name], out["torch"][name]):
+            err = (got.float() - want.float()).abs().max().item()
+            assert err < 4e-3, (name, err)
+    # dropout: exactly the hash masks (dropped where h is not zero)
+    for layer in range(n_layers):
+        h = out["cuda"]["h"][layer][batch:].view(steps, batch, -1)
+        y = out["cuda"]["y"][layer].view(steps, batch, -1)
+        mask = keep_mask(seed, layer, steps, batch, lstm_wave.HIDDEN, p)
+        assert torch.equal((y == 0) & (h != 0), ~mask & (h != 0))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    "k_in,n_layers,batch",
+    [(256, 2, 192), (2048, 3, 192), (240, 2, 100)],
+    ids=["pre", "post", "padded"],
+)
+def test_gpu_wave_stack_gradients_are_as_close_to_fp32_as_cudnn_fp16(k_in, n_layers, batch):
+    steps, p = 12, 0.1
+    layers = random_stack(
+        k_in, lstm_wave.HIDDEN, n_layers, dtype=torch.float32, device="cuda", scale=0.03
+    )
+    x = torch.randn(steps, batch, k_in, device="cuda", requires_grad=True)
+    dy = torch.randn(steps, batch, lstm_wave.HIDDEN, device="cuda") * 0.01
+    seed = seed_tensor(5, "cuda")
+    params = [x, *flat(layers)]
+    want = torch.autograd.grad(stack_reference(x, layers, p, seed), params, dy)
+    y = lstm_stack(x, layers, p, seed)
+    got = torch.autograd.grad(y, params, dy)
+    # the yardstick: the same stack in fp16 (cuDNN-like rounding), against fp32
+    half = [tuple(t.detach().half().requires_grad_(True) for t in w) for w in layers]
+    x16 = x.detach().half().requires_grad_(True)
+    yard = torch.autograd.grad(stack_reference(x16, half, p, seed), [x16, *flat(half)], dy.half())
+    for g, w, h16 in zip(got, want, yard):
+        err = ((g.float() - w).norm() / w.norm()).item()
+        err16 = ((h16.float() - w).norm() / w.norm()).item()
+        assert err < max(3 * err16, 2e-3), (err, err16)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_every_variant_is_bitwise_the_same_and_graphs_draw_fresh_masks():
+    steps, batch, k_in, p = 5, 192, 256, 0.1
+    layers = random_stack(k_in, lstm_wave.HIDDEN, 2, dtype=torch.float16, device="cuda", scale=0.03)
+    x = torch.randn(steps, batch, k_in, device="cuda", dtype=torch.float16, requires_grad=True)
+    seed = seed_tensor(11, "cuda")
+    results = []
+    lib = lstm_wave.library()
+    for fv in range(lib.wave_lstm_variants(0)):
+        for bv in range(lib.wave_lstm_variants(1)):
+            kernels = lstm_wave.CudaKernels(fv, bv)
+            y = lstm_wave._WaveStack.apply(kernels, p, seed, x, *flat(layers))
+            results.append((y, *torch.autograd.grad(y.float().sum(), [x, *flat(layers)])))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    # no host sync in forward or backward; a captured step draws a new seed per replay
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up (the library, cuBLAS handles) outside capture
+            lstm_stack(x, layers, p).sum().backward()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            lstm_stack(x, layers, p).float().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = lstm_stack(x.detach(), layers, p)
+    stream.synchronize()
+    masks = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        masks.append(out == 0)
+    assert not torch.equal(masks[0], masks[1])
