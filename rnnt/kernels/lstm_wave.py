@@ -161,7 +161,7 @@ class TorchKernels:
     def _acc(dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
-    def forward(self, x_in, hseq, yseq, cstate, factors, bias, w, p, seed) -> None:
+    def forward(self, x, hseq, yseq, cstate, factors, bias, w, p, seed) -> None:
         hidden = hseq[0].shape[1]
         batch = cstate[0].shape[0]
         steps = yseq[0].shape[0] // batch
@@ -169,7 +169,7 @@ class TorchKernels:
         perm = gate_permutation(hidden, w[0].device)
         scale = _dropout_scale(p)
         for layer in range(len(w)):
-            inp = (x_in[layer] if layer == 0 else yseq[layer - 1]).view(steps, batch, -1)
+            inp = (x if layer == 0 else yseq[layer - 1]).view(steps, batch, -1)
             hs = hseq[layer].view(steps + 1, batch, hidden)
             weight = w[layer].to(acc)
             keep = keep_mask(seed, layer, steps, batch, hidden, p) if p > 0 else None
@@ -248,13 +248,13 @@ class CudaKernels:
     def _ptrs(tensors: Sequence[torch.Tensor]):
         return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
 
-    def forward(self, x_in, hseq, yseq, cstate, factors, bias, w, p, seed) -> None:
+    def forward(self, x, hseq, yseq, cstate, factors, bias, w, p, seed) -> None:
         layers = len(w)
         batch = cstate[0].shape[0]
         steps = yseq[0].shape[0] // batch
         device = w[0].device
-        kin = [x_in[0].shape[1]] + [HIDDEN] * (layers - 1)
-        inputs = [x_in[0]] + list(yseq[:-1])
+        kin = [x.shape[1]] + [HIDDEN] * (layers - 1)
+        inputs = [x, *yseq[:-1]]
         rc = self.lib.wave_lstm_forward(
             device.index, layers, steps, batch, (ctypes.c_int * layers)(*kin), self._ptrs(inputs),
             self._ptrs(hseq), self._ptrs(yseq), self._ptrs(cstate), self._ptrs(factors),
@@ -354,7 +354,7 @@ class _WaveStack(torch.autograd.Function):
         yseq = [x.new_empty(rows, hidden) for _ in range(n_layers)]
         cstate = [x.new_zeros(batch, hidden, dtype=acc) for _ in range(n_layers)]
         factors = [x.new_empty(N_FACTORS, rows, hidden) for _ in range(n_layers)]
-        kernels.forward([x_rows], hseq, yseq, cstate, factors, bias, w, p, seed)
+        kernels.forward(x_rows, hseq, yseq, cstate, factors, bias, w, p, seed)
         ctx.save_for_backward(seed, x_rows, *w, *hseq, *yseq[:-1], *factors)
         ctx.meta = (kernels, p, steps, batch, k_in, n_layers, hidden)
         return yseq[-1].view(steps, batch, hidden)
@@ -419,7 +419,10 @@ def lstm_stack(
     steps, batch, k_in = x.shape
     pad_b = _round_up(batch, BATCH_MULTIPLE) - batch
     pad_k = _round_up(k_in, INPUT_MULTIPLE) - k_in
-    x = F.pad(x.to(dtype), (0, pad_k, 0, pad_b)).contiguous()
+    x = x.to(dtype)
+    if pad_k or pad_b:  # F.pad copies even when it pads nothing
+        x = F.pad(x, (0, pad_k, 0, pad_b))
+    x = x.contiguous()
     flat = []
     for index, weights in enumerate(layers):
         w_ih, w_hh, b_ih, b_hh = (t.to(dtype) for t in weights)

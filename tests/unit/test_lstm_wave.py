@@ -357,7 +357,7 @@ def cuda_buffers(steps, batch, k_in, n_layers, p, seed, layers):
         fac = [
             torch.zeros(6, steps * batch, hidden, device=dev, dtype=torch.float16) for _ in layers
         ]
-        kernels.forward([x], hseq, yseq, cstate, fac, bias, w, p, seed)
+        kernels.forward(x, hseq, yseq, cstate, fac, bias, w, p, seed)
         out[name] = dict(h=hseq, y=yseq, c=cstate, fac=fac)
     torch.cuda.synchronize()
     return out
