@@ -676,6 +676,15 @@ int launch(void (*kernel)(P), const P& p, int ctas, int cluster, int smem, cudaS
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
+// Makes `device` current only when it is not: these calls are captured into CUDA graphs, and
+// changing the device is no business of a capture.
+int use_device(int device) {
+  int current = -1;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
+  return static_cast<int>(err);
+}
+
 uint32_t drop_threshold(float p_drop) {
   return static_cast<uint32_t>(static_cast<double>(p_drop) * 65536.0 + 0.5);
 }
@@ -706,8 +715,8 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
   for (int l = 0; l < layers; ++l)
     if (kin[l] < fwd::BK * v.ksub || kin[l] % (fwd::BK * v.ksub)) return kBadShape;
   if (device < 0 || device >= kMaxDevices) return kBadShape;
-  cudaError_t err = cudaSetDevice(device);
-  if (err != cudaSuccess) return static_cast<int>(err);
+  const int err = use_device(device);
+  if (err) return err;
   fwd::Params p = {};
   const auto SW128 = CU_TENSOR_MAP_SWIZZLE_128B, SW64 = CU_TENSOR_MAP_SWIZZLE_64B;
   const long rows = static_cast<long>(T) * B, rows1 = rows + B;
@@ -766,8 +775,8 @@ int wave_lstm_backward(int device, int layers, int T, int B, const int* kin, voi
   for (int l = 0; l < layers; ++l)
     if (kin[l] < bwd::BK || kin[l] % bwd::BK) return kBadShape;
   if (device < 0 || device >= kMaxDevices) return kBadShape;
-  cudaError_t err = cudaSetDevice(device);
-  if (err != cudaSuccess) return static_cast<int>(err);
+  const int err = use_device(device);
+  if (err) return err;
   bwd::Params p = {};
   const auto SW128 = CU_TENSOR_MAP_SWIZZLE_128B;
   const long rows = static_cast<long>(T) * B;
