@@ -77,10 +77,7 @@ def bench_stack(name: str, batch: int, p: float, repeats: int) -> list[dict]:
         return out_dropout(lstm(x)[0])
 
     def wave_forward(kernels):
-        seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device="cuda")
-        xin = nn.functional.pad(x, (0, (-k_in) % lstm_wave.INPUT_MULTIPLE))
-        weights = [w for layer in layers for w in layer]
-        return lstm_wave._WaveStack.apply(kernels, p, seed, xin, *weights)
+        return lstm_wave.lstm_stack(x, layers, p, kernels=kernels)
 
     def train(forward):
         def step():

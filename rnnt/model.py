@@ -157,6 +157,15 @@ class Encoder(nn.Module):
                 f"{', '.join(ENCODER_LSTMS)})"
             )
         wave = cfg.encoder_lstm == "wave"
+        if wave and hid % 32:
+            raise ConfigError(
+                f"model.enc_n_hid: the wave LSTM (model.encoder_lstm: wave) needs a multiple of "
+                f"32 (its kernels: 1024), got {hid}"
+            )
+        if wave and not 0 <= cfg.enc_dropout < 1:
+            raise ConfigError(
+                f"model.enc_dropout: the wave LSTM needs 0 <= p < 1, got {cfg.enc_dropout}"
+            )
         self.pre_rnn = StackedLSTM(
             cfg.in_feats, hid, cfg.enc_pre_rnn_layers, cfg.enc_dropout, cfg, wave
         )

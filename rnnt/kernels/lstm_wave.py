@@ -340,6 +340,8 @@ class _WaveStack(torch.autograd.Function):
         steps, batch, k_in = x.shape
         n_layers, hidden = len(flat) // 4, flat[1].shape[1]
         acc = TorchKernels._acc(x.dtype)
+        # recomputed per call (a few tiny kernels), not cached: a device tensor first made
+        # inside a CUDA-graph capture would hold nothing until the graph's first replay
         perm = gate_permutation(hidden, x.device)
         w = [torch.cat(flat[4 * l : 4 * l + 2], 1)[perm].contiguous() for l in range(n_layers)]
         bias = [
@@ -400,22 +402,28 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def lstm_stack(
-    x: torch.Tensor, layers: Sequence[LayerWeights], p: float, seed: torch.Tensor | None = None
+    x: torch.Tensor,
+    layers: Sequence[LayerWeights],
+    p: float,
+    seed: torch.Tensor | None = None,
+    kernels: CudaKernels | TorchKernels | None = None,
 ) -> torch.Tensor:
     """An LSTM stack with dropout p after every layer, zero initial state: x (T, B, K) ->
-    (T, B, H). The CUDA kernels on a GPU (fp16; an error says why where they cannot run),
-    TorchKernels elsewhere. `seed` (a one-element int32 tensor on x's device) is drawn from
-    torch's generator when not given. The batch is padded to a multiple of 192 and the first
-    layer's input to a multiple of 128 features, invisibly to the caller."""
+    (T, B, H). By default the CUDA kernels on a GPU (fp16; an error says why where they cannot
+    run) and TorchKernels elsewhere; `kernels` picks others (a tile variant, say). `seed` (a
+    one-element int32 tensor on x's device) is drawn from torch's generator when not given. The
+    batch is padded to a multiple of 192 and the first layer's input to a multiple of 128
+    features, invisibly to the caller."""
     if seed is None:
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=x.device)
-    if x.is_cuda:
+    if kernels is None and x.is_cuda:
         reason = unsupported(x.device, layers[0][1].shape[1], len(layers))
         if reason is not None:
             raise RuntimeError(f"model.encoder_lstm: the wave kernels cannot run: {reason}")
-        kernels, dtype = _cuda_kernels(), torch.float16
-    else:
-        kernels, dtype = TorchKernels(), x.dtype
+        kernels = _cuda_kernels()
+    elif kernels is None:
+        kernels = TorchKernels()
+    dtype = torch.float16 if isinstance(kernels, CudaKernels) else x.dtype
     steps, batch, k_in = x.shape
     pad_b = _round_up(batch, BATCH_MULTIPLE) - batch
     pad_k = _round_up(k_in, INPUT_MULTIPLE) - k_in

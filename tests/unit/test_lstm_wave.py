@@ -223,9 +223,14 @@ def test_the_gate_permutation_gives_a_thread_all_four_gates_of_one_unit():
 # the model switch
 
 
-def test_an_unknown_encoder_lstm_is_named():
+def test_config_values_the_wave_lstm_cannot_take_are_named():
     with pytest.raises(ConfigError, match="model.encoder_lstm: unknown LSTM 'cudnn9'"):
         RNNT(tiny_cfg(encoder_lstm="cudnn9"))
+    with pytest.raises(ConfigError, match="model.enc_n_hid: .* multiple of 32 .* got 24"):
+        RNNT(tiny_cfg(encoder_lstm="wave", enc_n_hid=24))
+    with pytest.raises(ConfigError, match=r"model.enc_dropout: .* 0 <= p < 1, got 1.0"):
+        RNNT(tiny_cfg(encoder_lstm="wave", enc_n_hid=32, enc_dropout=1.0))
+    RNNT(tiny_cfg(encoder_lstm="cudnn", enc_n_hid=24))  # the cuDNN path takes any width
 
 
 @pytest.mark.parametrize("decoupled", [False, True])
@@ -426,7 +431,7 @@ def test_gpu_every_variant_is_bitwise_the_same_and_graphs_draw_fresh_masks():
     for fv in range(lib.wave_lstm_variants(0)):
         for bv in range(lib.wave_lstm_variants(1)):
             kernels = lstm_wave.CudaKernels(fv, bv)
-            y = lstm_wave._WaveStack.apply(kernels, p, seed, x, *flat(layers))
+            y = lstm_stack(x, layers, p, seed, kernels)
             results.append((y, *torch.autograd.grad(y.float().sum(), [x, *flat(layers)])))
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
