@@ -46,8 +46,8 @@ MAX_LAYERS = 3
 BATCH_MULTIPLE = 192  # the backward's clusters pair two 96-row batch tiles
 INPUT_MULTIPLE = 128  # one 128-wide K stage of the forward
 # tile variants (csrc: kFwdVariants, kBwdVariants); bench/encoder_lstm.py times them all
-FORWARD_VARIANT = 0
-BACKWARD_VARIANT = 0
+FORWARD_VARIANT = 4
+BACKWARD_VARIANT = 3
 N_FACTORS = 6
 
 _M32 = 0xFFFFFFFF
@@ -298,8 +298,26 @@ def library() -> ctypes.CDLL:
         lib.wave_lstm_variants.restype = ctypes.c_int
         lib.wave_lstm_kept.argtypes = [ctypes.c_uint32] + [ctypes.c_int] * 4 + [ctypes.c_float]
         lib.wave_lstm_kept.restype = ctypes.c_int
+        ints = ctypes.POINTER(ctypes.c_int)
+        lib.wave_lstm_schedule.argtypes = [ctypes.c_int] * 5 + [ints] * 3 + [ctypes.c_int]
+        lib.wave_lstm_schedule.restype = ctypes.c_int
         lib._typed = True
     return lib
+
+
+def launch_schedule(
+    backward: bool, n_layers: int, steps: int, batch: int, n_sms: int
+) -> list[list[tuple[int, int]]]:
+    """The (layer, t) cells of each launch that the kernels' host code queues for a stack on a
+    GPU of `n_sms` SMs, in launch order (csrc: wave_schedule)."""
+    lib = library()
+    cap = n_layers * steps
+    layer, t, count = ((ctypes.c_int * (3 * cap))(), (ctypes.c_int * (3 * cap))(),
+                       (ctypes.c_int * cap)())  # fmt: skip
+    n = lib.wave_lstm_schedule(int(backward), n_layers, steps, batch, n_sms, layer, t, count, cap)
+    if n < 0:
+        raise ValueError(f"no schedule for {n_layers} layers x {steps} steps")
+    return [[(layer[3 * i + j], t[3 * i + j]) for j in range(count[i])] for i in range(n)]
 
 
 def unsupported(device: torch.device, hidden: int, n_layers: int) -> str | None:

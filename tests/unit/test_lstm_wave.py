@@ -290,7 +290,7 @@ def test_the_kernel_source_builds_and_rejects_shapes_it_cannot_tile(tmp_path, mo
     cuda_build.load.cache_clear()
     try:
         lib = lstm_wave.library()
-        assert lib.wave_lstm_variants(0) == 4 and lib.wave_lstm_variants(1) == 2
+        assert lib.wave_lstm_variants(0) == 5 and lib.wave_lstm_variants(1) == 4
         null = (ctypes.c_void_p * 3)()
 
         def forward(layers, steps, batch, kin, p=0.1, variant=0):
@@ -320,7 +320,7 @@ def test_the_kernel_source_builds_and_rejects_shapes_it_cannot_tile(tmp_path, mo
         )
         assert (
             "no such kernel variant"
-            in lib.wave_lstm_error(forward(2, 10, 192, (256, 1024, 0), variant=4)).decode()
+            in lib.wave_lstm_error(forward(2, 10, 192, (256, 1024, 0), variant=5)).decode()
         )
         assert (
             "unsupported shape" in lib.wave_lstm_error(backward(2, 10, 96, (256, 1024, 0))).decode()
@@ -338,6 +338,42 @@ def test_the_kernel_source_builds_and_rejects_shapes_it_cannot_tile(tmp_path, mo
             assert torch.equal(torch.tensor(kept, dtype=torch.bool), mask[:, :, ::7])
     finally:
         cuda_build.load.cache_clear()
+
+
+@pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_the_launch_schedule_keeps_every_dependency_and_fills_the_gpu_once(backward):
+    def ctas(layer, n_layers, batch):
+        if not backward:
+            return 32 * batch // 96  # 128-row W tiles x 96-row batch tiles
+        return 16 * batch // 96 * (1 if layer == n_layers - 1 else 2)  # partners below the top
+
+    for n_layers, steps, batch, sms in ((3, 245, 192, 132), (2, 490, 192, 132), (3, 7, 192, 132),
+                                        (1, 5, 192, 132), (3, 9, 384, 132), (3, 6, 192, 10_000),
+                                        (2, 6, 192, 1), (3, 1, 192, 132)):  # fmt: skip
+        launches = lstm_wave.launch_schedule(backward, n_layers, steps, batch, sms)
+        done = {}
+        for index, cells in enumerate(launches):
+            assert len({layer for layer, _ in cells}) == len(cells)  # a layer once per launch
+            assert len(cells) == 1 or sum(ctas(l, n_layers, batch) for l, _ in cells) <= sms
+            for layer, t in cells:
+                assert (layer, t) not in done
+                done[layer, t] = index
+        assert sorted(done) == [(l, t) for l in range(n_layers) for t in range(steps)]
+        # what each cell reads was written by an earlier launch: forward h(t - 1) and the layer
+        # below; backward dz(t + 1) and the layer above
+        step, deeper = (1, -1) if backward else (-1, 1)
+        for (layer, t), index in done.items():
+            for need in ((layer, t + step), (layer - deeper, t)):
+                if need in done:
+                    assert done[need] < index, ((layer, t), need)
+        if (n_layers, steps, batch, sms) == (3, 245, 192, 132):
+            # two 64-CTA cells per launch, not three in two rounds of 132 SMs
+            assert len(launches) == 369
+        if sms == 10_000 or (n_layers, steps) == (2, 490):
+            assert len(launches) == steps + n_layers - 1  # whole waves, as before
+        if sms == 1:
+            assert len(launches) == n_layers * steps
 
 
 def test_off_hopper_the_kernels_say_why():

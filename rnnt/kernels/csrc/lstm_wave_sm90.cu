@@ -97,6 +97,25 @@ __host__ __device__ __forceinline__ uint32_t drop_key(uint32_t step, uint32_t ev
 __host__ __device__ __forceinline__ bool dropped(uint32_t key, int bit, uint32_t threshold) {
   return ((bit ? key >> 16 : key) & 0xFFFFu) < threshold;
 }
+// What one launch runs: up to MAX_JOBS (layer, step) cells of the stack, in CTA order; the host's
+// schedule (wave_schedule) decides which, so that a launch fills the GPU once and no more.
+constexpr int MAX_JOBS = 3;
+struct Jobs {
+  int count;
+  int layer[MAX_JOBS];
+  int t[MAX_JOBS];
+};
+
+// Programmatic dependent launch: a wave lets the next one start its CTAs where SMs are free and
+// load its weights (which no wave writes) while this one finishes; the next wave waits for this
+// one's completion, and its memory, before it loads anything a wave writes.
+__device__ __forceinline__ void allow_next_wave() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void wait_previous_wave() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 __device__ __forceinline__ void st_shared_f32(uint32_t a, float v) {
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
 }
@@ -195,7 +214,8 @@ struct Params {  // 64-byte aligned through CUtensorMap
   CUtensorMap fac[MAX_LAYERS]; // [6, T*B, H] fp16 factors for the backward, box 32 x 96 (store)
   const float* bias[MAX_LAYERS];  // [4H] permuted
   int kin_blocks[MAX_LAYERS];
-  int T, B, layer0, wave;
+  int T, B;
+  Jobs jobs;
   float keep_scale;
   uint32_t drop_threshold;  // 16-bit: drop when a key's half is below it
   const uint32_t* seed;     // on the device: drawn per call, so graph replays draw afresh
@@ -214,8 +234,8 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
   uint64_t* cbar = empty + STAGES;
   const int nb_count = p.B / BN;
   const int nb = blockIdx.x % nb_count, tile = (blockIdx.x / nb_count) % N_TILES;
-  const int l = p.layer0 + blockIdx.x / (nb_count * N_TILES);
-  const int t = p.wave - l;
+  const int job = blockIdx.x / (nb_count * N_TILES);
+  const int l = p.jobs.layer[job], t = p.jobs.t[job];
   const int k_blocks = (p.kin_blocks[l] + HID / BK) / KSUB;
   const int row0 = nb * BN;  // first batch row
   const int warp_group = threadIdx.x / 128, tid = threadIdx.x % 128;
@@ -228,32 +248,50 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (C > 1) cluster_sync(); else __syncthreads();
+  allow_next_wave();
 
   if (warp_group == 0) {
     if (tid == 0) {
       const uint32_t rank = C > 1 ? cluster_rank() : 0;
-      mbar_expect_tx(cbar, C_TILE);
-      tma_load_2d(ctile, &p.c[l], cbar, tile * 32, row0);
-      for (int kb = 0; kb < k_blocks; ++kb) {
+      auto load_w = [&](int kb) {
         const int s = kb % STAGES;
-        mbar_wait(&empty[s], ((kb / STAGES) & 1) ^ 1);
-        mbar_expect_tx(&full[s], KSUB * SUB);
 #pragma unroll
         for (int j = 0; j < KSUB; ++j) {
           uint8_t* slice = ring + s * STAGE + j * SUB;
           const int ks = kb * KSUB + j;
-          const bool from_in = ks < p.kin_blocks[l];
           if (C > 1)
             tma_load_mc(slice + rank * (BM / C) * 128, &p.w[l], &full[s], ks * BK,
                         tile * BM + rank * (BM / C), (1u << C) - 1);
           else
             tma_load_2d(slice, &p.w[l], &full[s], ks * BK, tile * BM);
-          tma_load_2d(slice + W_SUB, from_in ? &p.in[l] : &p.hl[l], &full[s],
-                   (from_in ? ks : ks - p.kin_blocks[l]) * BK, t * p.B + row0);
+        }
+      };
+      const int early = k_blocks < STAGES ? k_blocks : STAGES;
+      for (int kb = 0; kb < early; ++kb) {
+        mbar_expect_tx(&full[kb], KSUB * SUB);
+        load_w(kb);
+      }
+      wait_previous_wave();
+      mbar_expect_tx(cbar, C_TILE);
+      tma_load_2d(ctile, &p.c[l], cbar, tile * 32, row0);
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const int s = kb % STAGES;
+        if (kb >= early) {
+          mbar_wait(&empty[s], ((kb / STAGES) & 1) ^ 1);
+          mbar_expect_tx(&full[s], KSUB * SUB);
+          load_w(kb);
+        }
+#pragma unroll
+        for (int j = 0; j < KSUB; ++j) {
+          const int ks = kb * KSUB + j;
+          const bool from_in = ks < p.kin_blocks[l];
+          tma_load_2d(ring + s * STAGE + j * SUB + W_SUB, from_in ? &p.in[l] : &p.hl[l], &full[s],
+                      (from_in ? ks : ks - p.kin_blocks[l]) * BK, t * p.B + row0);
         }
       }
     }
   } else {
+    wait_previous_wave();
     const int warp = tid / 32, lane = tid % 32, q = lane & 3, r = lane >> 2;
     const int unit_local = 8 * warp + r;
     float bias[4];
@@ -385,17 +423,36 @@ constexpr int BM = 64, BN = 96, BK = 64;
 constexpr int A_SUB = BM * BK * 2, B_SUB = BN * BK * 2, SUB = A_SUB + B_SUB;  // 20 KB
 constexpr int F_TILE = BN * 64 * 2;   // 96 batch rows x 64 units fp16 (factor, dY, dz quarter)
 constexpr int DC_BOX = BN * 32 * 4;   // 96 x 32 fp32: dc is two boxes
-constexpr int PART = 48 * 128 * 4;    // the partner's accumulators
-// epilogue region, after the ring: factors A1..A5, A6(t + 1), dY, dc (2 boxes), partner
-constexpr int E_FNEXT = 5 * F_TILE, E_DY = 6 * F_TILE, E_DC = 7 * F_TILE, E_PART = E_DC + 2 * DC_BOX;
-constexpr int E_BYTES = E_PART + PART;
+constexpr int PART = 48 * 128 * 4;    // the partner's accumulators, after the ring
+// The epilogue's inputs (factors A1..A5, A6(t + 1), dY, dc as 2 boxes) land in the ring slots that
+// the last K stages free, so that the ring can be deep: with a separate region it held 4 stages.
+constexpr int E_FNEXT = 5 * F_TILE, E_DY = 6 * F_TILE, E_DC = 7 * F_TILE;
+constexpr int E_IN = E_DC + 2 * DC_BOX;  // 108 KB
+constexpr int E_TILES = E_IN / F_TILE;   // 9 tiles of 12 KB
+constexpr int STAGING = 4 * F_TILE;      // dz(t), staged for its TMA store
 constexpr int THREADS = 256;
 constexpr int MAX_LAYERS = 3;
 constexpr int U_TILES = HID / BM;  // 16
 static_assert(SUB % 1024 == 0 && F_TILE % 1024 == 0 && DC_BOX % 1024 == 0, "1024-byte tiles");
-static_assert(4 * F_TILE <= 4 * SUB, "dz staging fits in the ring");
+static_assert(DC_BOX == F_TILE, "the epilogue's inputs are 12 KB tiles");
 
-constexpr int smem_bytes(int ring) { return ring * SUB + E_BYTES + 1024 + 256; }
+// Where the epilogue's inputs and dz's staging sit in a ring of `ring` 64-wide stages when the K
+// loop has k_blocks stages: the inputs from the slot that stage k_blocks would take (the first
+// freed), the staging in what stays free; -1 when that layout does not fit without wrapping.
+__host__ __device__ constexpr int epilogue_offset(int ring, int k_blocks) {
+  return (k_blocks % ring) * SUB + E_IN <= ring * SUB ? (k_blocks % ring) * SUB : -1;
+}
+__host__ __device__ constexpr int staging_offset(int ring, int k_blocks) {
+  return epilogue_offset(ring, k_blocks) < 0 ? -1
+         : epilogue_offset(ring, k_blocks) >= STAGING ? 0
+         : epilogue_offset(ring, k_blocks) + E_IN + STAGING <= ring * SUB
+             ? epilogue_offset(ring, k_blocks) + E_IN
+             : -1;
+}
+__host__ __device__ constexpr bool ring_fits(int ring) {
+  return staging_offset(ring, 0) >= 0 && staging_offset(ring, 4 * HID / BK) >= 0;
+}
+__host__ __device__ constexpr int smem_bytes(int ring) { return ring * SUB + PART + 1024 + 256; }
 
 struct Params {  // 64-byte aligned through CUtensorMap
   CUtensorMap wt[MAX_LAYERS];   // [kin + H, 4H] fp16 W^T, permuted gate columns, box 64 x 64
@@ -404,49 +461,55 @@ struct Params {  // 64-byte aligned through CUtensorMap
   CUtensorMap dc[MAX_LAYERS];   // [B, H] fp32 running dc, box 32 x 96
   CUtensorMap dy;               // [T*B, H] fp16: the top layer's output gradient, box 64 x 96
   int kin[MAX_LAYERS];
-  int T, B, L, lo, hi, wave;
+  int T, B, L;
+  Jobs jobs;
   float keep_scale;
   uint32_t drop_threshold;  // 16-bit, as the forward's
   const uint32_t* seed;     // the forward's
 };
 
-template <int KSUB, int RING>
+template <int RING>
 __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ Params p) {
-  constexpr int STAGES = RING / KSUB, STAGE = KSUB * SUB;
-  static_assert(RING % KSUB == 0, "whole stages");
+  constexpr int STAGES = RING;
+  static_assert(ring_fits(RING), "the epilogue's inputs and staging fit in the ring");
+  static_assert(smem_bytes(RING) <= 227 * 1024, "shared memory");
   extern __shared__ uint8_t raw[];
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
                                              ~static_cast<uintptr_t>(1023));
-  uint8_t* epi = ring + RING * SUB;
-  uint64_t* full = reinterpret_cast<uint64_t*>(epi + E_BYTES);
+  uint8_t* part_area = ring + RING * SUB;
+  uint64_t* full = reinterpret_cast<uint64_t*>(part_area + PART);
   uint64_t* empty = full + STAGES;
   uint64_t* ebar = empty + STAGES;  // the epilogue's TMA inputs
   uint64_t* pbar = ebar + 1;        // the partner's accumulators
 
   // which (layer, unit tile, batch tile, role) this CTA is
   const int nb_count = p.B / BN;
-  const int cid = blockIdx.x / 2, rank = blockIdx.x % 2;
-  const bool top_active = p.hi == p.L - 1;
-  const int top_clusters = top_active ? U_TILES * nb_count / 2 : 0;
-  int l, ut, nb;
+  // the top layer's clusters pair two batch tiles; below it, a main CTA and its partner
+  int cid = blockIdx.x / 2, job = 0;
+  const int rank = blockIdx.x % 2;
+  for (; job + 1 < p.jobs.count; ++job) {
+    const int clusters = U_TILES * nb_count / (p.jobs.layer[job] == p.L - 1 ? 2 : 1);
+    if (cid < clusters) break;
+    cid -= clusters;
+  }
+  const int l = p.jobs.layer[job], t = p.jobs.t[job];
+  int ut, nb;
   bool partner;
-  if (cid < top_clusters) {
-    l = p.L - 1;
+  if (l == p.L - 1) {
     ut = cid / (nb_count / 2);
     nb = (cid % (nb_count / 2)) * 2 + rank;
     partner = false;
   } else {
-    const int c2 = cid - top_clusters;
-    l = (top_active ? p.L - 2 : p.hi) - c2 / (U_TILES * nb_count);
-    ut = (c2 % (U_TILES * nb_count)) / nb_count;
-    nb = c2 % nb_count;
+    ut = cid / nb_count;
+    nb = cid % nb_count;
     partner = rank == 1;
   }
-  const int t = p.T - 1 - p.wave + (p.L - 1 - l);
   const int row0 = nb * BN;
   const bool top = l == p.L - 1, last_step = t == p.T - 1;
   // the main CTA's K: dz_l(t + 1) x W_hh,l (none at t = T - 1); the partner's: dz_{l+1}(t) x W_ih,{l+1}
-  const int k_blocks = (partner || !last_step) ? 4 * HID / BK / KSUB : 0;
+  const int k_blocks = (partner || !last_step) ? 4 * HID / BK : 0;
+  uint8_t* const epi = ring + epilogue_offset(RING, k_blocks);
+  uint8_t* const staging = ring + staging_offset(RING, k_blocks);
   const int src = partner ? l + 1 : l;
   const int a_row = partner ? ut * BM : p.kin[l] + ut * BM;
   const int b_row = (partner ? t : t + 1) * p.B + row0;
@@ -462,35 +525,51 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   cluster_sync();
+  allow_next_wave();
 
   if (warp_group == 0) {
     if (tid == 0) {
+      const int early = k_blocks < STAGES ? k_blocks : STAGES;
+      for (int kb = 0; kb < early; ++kb) {
+        mbar_expect_tx(&full[kb], SUB);
+        tma_load_2d(ring + kb * SUB, &p.wt[src], &full[kb], kb * BK, a_row);
+      }
+      wait_previous_wave();
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const int s = kb % STAGES;
+        if (kb >= early) {
+          mbar_wait(&empty[s], ((kb / STAGES) & 1) ^ 1);
+          mbar_expect_tx(&full[s], SUB);
+          tma_load_2d(ring + s * SUB, &p.wt[src], &full[s], kb * BK, a_row);
+        }
+        tma_load_2d(ring + s * SUB + A_SUB, &p.dz[src], &full[s], kb * BK, b_row);
+      }
       if (!partner) {
+        // each input tile as soon as the slots under it are free: slot k_blocks % RING + v is
+        // "stage" k_blocks + v, freed when stage k_blocks + v - RING has been consumed
         const int rows = p.T * p.B;
         uint32_t bytes = 5 * F_TILE + 2 * DC_BOX + (last_step ? 0 : F_TILE) + (top ? F_TILE : 0);
         mbar_expect_tx(ebar, bytes);
-        for (int f = 0; f < 5; ++f)
-          tma_load_2d(epi + f * F_TILE, &p.fac[l], ebar, ut * BM, f * rows + t * p.B + row0);
-        if (!last_step)
-          tma_load_2d(epi + E_FNEXT, &p.fac[l], ebar, ut * BM, 5 * rows + (t + 1) * p.B + row0);
-        if (top) tma_load_2d(epi + E_DY, &p.dy, ebar, ut * BM, t * p.B + row0);
-        for (int i = 0; i < 2; ++i)
-          tma_load_2d(epi + E_DC + i * DC_BOX, &p.dc[l], ebar, ut * BM + 32 * i, row0);
-      }
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        const int s = kb % STAGES;
-        mbar_wait(&empty[s], ((kb / STAGES) & 1) ^ 1);
-        mbar_expect_tx(&full[s], KSUB * SUB);
-#pragma unroll
-        for (int j = 0; j < KSUB; ++j) {
-          uint8_t* slice = ring + s * STAGE + j * SUB;
-          const int ks = kb * KSUB + j;
-          tma_load_2d(slice, &p.wt[src], &full[s], ks * BK, a_row);
-          tma_load_2d(slice + A_SUB, &p.dz[src], &full[s], ks * BK, b_row);
+        int freed = 0;  // slots of the input region known to be free
+        for (int tile = 0; tile < E_TILES; ++tile) {
+          for (; freed * SUB < (tile + 1) * F_TILE; ++freed) {
+            const int kb = k_blocks + freed;
+            mbar_wait(&empty[kb % STAGES], ((kb / STAGES) & 1) ^ 1);
+          }
+          uint8_t* dst = epi + tile * F_TILE;
+          if (tile < 5)
+            tma_load_2d(dst, &p.fac[l], ebar, ut * BM, tile * rows + t * p.B + row0);
+          else if (tile == 5 && !last_step)
+            tma_load_2d(dst, &p.fac[l], ebar, ut * BM, 5 * rows + (t + 1) * p.B + row0);
+          else if (tile == 6 && top)
+            tma_load_2d(dst, &p.dy, ebar, ut * BM, t * p.B + row0);
+          else if (tile >= 7)
+            tma_load_2d(dst, &p.dc[l], ebar, ut * BM + 32 * (tile - 7), row0);
         }
       }
     }
   } else {
+    wait_previous_wave();
     const int warp = tid / 32, lane = tid % 32, q = lane & 3, r = lane >> 2;
     float d[48];
     for (int kb = 0; kb < k_blocks; ++kb) {
@@ -498,12 +577,11 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
       mbar_wait(&full[s], (kb / STAGES) & 1);
       wgmma_fence();
       fence_acc(d);
-#pragma unroll
-      for (int j = 0; j < KSUB; ++j) {
-        const uint32_t a = smem_u32(ring + s * STAGE + j * SUB), b = a + A_SUB;
+      {
+        const uint32_t a = smem_u32(ring + s * SUB), b = a + A_SUB;
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk)
-          wgmma_m64n96k16(d, smem_desc(a + kk * 32), smem_desc(b + kk * 32), (kb | j | kk) != 0);
+          wgmma_m64n96k16(d, smem_desc(a + kk * 32), smem_desc(b + kk * 32), (kb | kk) != 0);
       }
       wgmma_commit();
       fence_acc(d);
@@ -513,6 +591,8 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
     }
     wgmma_wait<0>();
     fence_acc(d);
+    // the last stage's slot too: the producer may be waiting to put an epilogue input there
+    if (k_blocks > 0 && lane == 0) mbar_arrive(&empty[(k_blocks - 1) % STAGES]);
     if (k_blocks == 0) {
 #pragma unroll
       for (int k = 0; k < 48; ++k) d[k] = 0.f;
@@ -520,7 +600,7 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
     if (partner) {
       {
         // thread tid's accumulators, 4 at a time, into the main CTA's partner area
-        const uint32_t part = smem_u32(epi + E_PART);
+        const uint32_t part = smem_u32(part_area);
 #pragma unroll
         for (int k4 = 0; k4 < 12; ++k4)
           st_cluster_v4(part + (k4 * 128 + tid) * 16, 0,
@@ -532,7 +612,7 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
       mbar_wait(ebar, 0);
       {
         if (!top) mbar_wait_acquire_cluster(pbar, 0);
-        const uint32_t e = smem_u32(epi), part = e + E_PART;
+        const uint32_t e = smem_u32(epi), part = smem_u32(part_area);
         const uint32_t step = step_seed(*p.seed, l, t);
         const int mi = lane >> 3, c8 = lane & 7;
         // this thread's accumulator rows: units 16 warp + 8 i + r of the tile (i = 0, 1)
@@ -594,7 +674,7 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
           for (int g = 0; g < 4; ++g) {
             const int quarter = 2 * (warp >> 1) + (g >> 1);
             const int col = 16 * ((2 * warp + i_l) & 3) + 8 * (g & 1);
-            stmatrix_x4_trans(smem_u32(ring) + quarter * F_TILE + swz128((8 * j_l + c8) * 128 + col * 2),
+            stmatrix_x4_trans(smem_u32(staging) + quarter * F_TILE + swz128((8 * j_l + c8) * 128 + col * 2),
                               dzv[g]);
           }
         }
@@ -602,7 +682,7 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
         asm volatile("bar.sync 1, 128;" ::: "memory");
         if (tid == 0) {
           for (int qt = 0; qt < 4; ++qt)
-            tma_store_2d(&p.dz[l], ring + qt * F_TILE, ut * 4 * BM + 64 * qt, t * p.B + row0);
+            tma_store_2d(&p.dz[l], staging + qt * F_TILE, ut * 4 * BM + 64 * qt, t * p.B + row0);
           for (int i = 0; i < 2; ++i)
             tma_store_2d(&p.dc[l], epi + E_DC + i * DC_BOX, ut * BM + 32 * i, row0);
           bulk_commit();
@@ -626,17 +706,20 @@ using namespace wave;
 constexpr int kBadShape = 1, kBadVariant = 2, kNoEncoder = 3, kEncodeFailed = 1000;
 constexpr int kMaxDevices = 64;
 
-struct FwdVariant { void (*kernel)(fwd::Params); int cluster, ksub, ring; };
+struct FwdVariant { void (*kernel)(fwd::Params); int cluster, ksub, ring; bool pdl; };
 const FwdVariant kFwdVariants[] = {
-    {fwd::wave_t<1, 2, 6>, 1, 2, 6},  // 0: 128-wide stages
-    {fwd::wave_t<1, 1, 7>, 1, 1, 7},  // 1: 64-wide stages, as cuBLAS's 64 x 7
-    {fwd::wave_t<2, 2, 6>, 2, 2, 6},  // 2: clusters of 2 share W's tile by multicast
-    {fwd::wave_t<2, 1, 7>, 2, 1, 7},  // 3
+    {fwd::wave_t<1, 2, 6>, 1, 2, 6, false},  // 0: 128-wide stages
+    {fwd::wave_t<1, 1, 7>, 1, 1, 7, false},  // 1: 64-wide stages, as cuBLAS's 64 x 7
+    {fwd::wave_t<2, 2, 6>, 2, 2, 6, false},  // 2: clusters of 2 share W's tile by multicast
+    {fwd::wave_t<2, 1, 7>, 2, 1, 7, false},  // 3
+    {fwd::wave_t<1, 1, 7>, 1, 1, 7, true},   // 4: 1, with programmatic dependent launch
 };
-struct BwdVariant { void (*kernel)(bwd::Params); int ksub, ring; };
+struct BwdVariant { void (*kernel)(bwd::Params); int ring; bool pdl; };
 const BwdVariant kBwdVariants[] = {
-    {bwd::wave_bwd<1, 4>, 1, 4},  // 0: 64-wide stages
-    {bwd::wave_bwd<2, 4>, 2, 4},  // 1: 128-wide stages
+    {bwd::wave_bwd<8>, 8, false},    // 0: 64-wide stages, 8 deep
+    {bwd::wave_bwd<9>, 9, false},    // 1
+    {bwd::wave_bwd<10>, 10, false},  // 2
+    {bwd::wave_bwd<8>, 8, true},     // 3: 0, with programmatic dependent launch
 };
 constexpr int kFwdCount = sizeof(kFwdVariants) / sizeof(kFwdVariants[0]);
 constexpr int kBwdCount = sizeof(kBwdVariants) / sizeof(kBwdVariants[0]);
@@ -659,20 +742,25 @@ int allow_smem(int device, Kernel kernel, int bytes, bool (&done)[kMaxDevices]) 
   return 0;
 }
 
+// `programmatic`: may start before the previous kernel on the stream ends (it waits for it
+// inside); only for a stack's later waves, whose previous kernel is a wave of the same call
 template <typename P>
-int launch(void (*kernel)(P), const P& p, int ctas, int cluster, int smem, cudaStream_t stream) {
+int launch(void (*kernel)(P), const P& p, int ctas, int cluster, int smem, bool programmatic,
+           cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(ctas);
   cfg.blockDim = dim3(256);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = cluster;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = programmatic ? 2 : 1;
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
@@ -683,6 +771,59 @@ int use_device(int device) {
   cudaError_t err = cudaGetDevice(&current);
   if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
   return static_cast<int>(err);
+}
+
+// The launches of a stack, in order, as cells (stage s, step u): the forward's stage is the layer
+// and u = t; the backward's stage is L - 1 - layer and u = T - 1 - t. Cell (s, u) needs (s, u - 1)
+// and (s - 1, u) from earlier launches. A launch takes the ready cells, deepest stage first, while
+// their CTAs fit in `budget` (at least one cell), so a 3-layer stack whose cells take 64 CTAs each
+// runs two cells per launch on 132 SMs (369 launches for T = 245) rather than three in two rounds.
+template <typename Emit>
+int wave_schedule(int stages, int T, const int* ctas, int budget, Emit&& emit) {
+  int next[MAX_JOBS] = {0, 0, 0};
+  int launches = 0;
+  while (next[stages - 1] < T) {
+    const int before[MAX_JOBS] = {next[0], next[1], next[2]};
+    Jobs cells = {};
+    int used = 0;
+    for (int s = stages - 1; s >= 0; --s) {
+      const bool ready = before[s] < T && (s == 0 || before[s - 1] > before[s]);
+      if (!ready || (cells.count > 0 && used + ctas[s] > budget)) continue;
+      cells.layer[cells.count] = s;
+      cells.t[cells.count] = before[s];
+      ++cells.count;
+      used += ctas[s];
+      ++next[s];
+    }
+    const int r = emit(cells);
+    if (r) return -r;
+    ++launches;
+  }
+  return launches;
+}
+
+// the cells' CTAs per stage, and the (layer, t) of a cell
+void stage_ctas(bool backward, int layers, int B, int (&ctas)[MAX_JOBS]) {
+  for (int s = 0; s < layers; ++s)
+    ctas[s] = backward ? bwd::U_TILES * (B / bwd::BN) * (s == 0 ? 1 : 2)
+                       : fwd::N_TILES * (B / fwd::BN);
+}
+Jobs cells_to_jobs(bool backward, int layers, int T, const Jobs& cells) {
+  Jobs jobs = cells;
+  if (backward)
+    for (int j = 0; j < cells.count; ++j) {
+      jobs.layer[j] = layers - 1 - cells.layer[j];
+      jobs.t[j] = T - 1 - cells.t[j];
+    }
+  return jobs;
+}
+
+int sm_count(int device) {
+  static int count[kMaxDevices] = {};
+  if (!count[device] &&
+      cudaDeviceGetAttribute(&count[device], cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return 0;
+  return count[device];
 }
 
 uint32_t drop_threshold(float p_drop) {
@@ -745,16 +886,19 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
   static bool smem_done[kFwdCount][kMaxDevices] = {};
   int r = allow_smem(device, v.kernel, smem, smem_done[variant]);
   if (r) return r;
-  // wave w runs layer l at step w - l, for every layer with 0 <= w - l < T
-  for (int wave = 0; wave < T + layers - 1; ++wave) {
-    const int first = wave - (T - 1) > 0 ? wave - (T - 1) : 0;
-    const int last = wave < layers - 1 ? wave : layers - 1;
-    p.layer0 = first;
-    p.wave = wave;
-    r = launch(v.kernel, p, (last - first + 1) * fwd::N_TILES * (B / fwd::BN), v.cluster, smem,
-               static_cast<cudaStream_t>(stream));
-    if (r) return r;
-  }
+  int ctas[MAX_JOBS];
+  stage_ctas(false, layers, B, ctas);
+  bool first = true;
+  const int n = wave_schedule(layers, T, ctas, sm_count(device), [&](const Jobs& cells) {
+    p.jobs = cells_to_jobs(false, layers, T, cells);
+    int total = 0;
+    for (int j = 0; j < cells.count; ++j) total += ctas[cells.layer[j]];
+    const int r = launch(v.kernel, p, total, v.cluster, smem, v.pdl && !first,
+                         static_cast<cudaStream_t>(stream));
+    first = false;
+    return r;
+  });
+  if (n < 0) return -n;
   return 0;
 }
 
@@ -800,20 +944,19 @@ int wave_lstm_backward(int device, int layers, int T, int B, const int* kin, voi
   static bool smem_done[kBwdCount][kMaxDevices] = {};
   r = allow_smem(device, v.kernel, smem, smem_done[variant]);
   if (r) return r;
-  const int L = layers, nb = B / bwd::BN;
-  // wave v runs layer l at step T - 1 - v + (L - 1 - l), for every layer where that is in range
-  for (int wave = 0; wave < T + L - 1; ++wave) {
-    const int lo = L - 1 - wave > 0 ? L - 1 - wave : 0;
-    const int hi = L - 1 + (T - 1 - wave) < L - 1 ? L - 1 + (T - 1 - wave) : L - 1;
-    p.lo = lo;
-    p.hi = hi;
-    p.wave = wave;
-    int ctas = 0;  // a cluster pair per (unit tile, batch tile) below the top layer
-    for (int l = lo; l <= hi; ++l) ctas += bwd::U_TILES * nb * (l == L - 1 ? 1 : 2);
-    r = launch(v.kernel, p, ctas, 2, smem, static_cast<cudaStream_t>(stream));
-    if (r) return r;
-  }
-  return 0;
+  int ctas[MAX_JOBS];
+  stage_ctas(true, layers, B, ctas);
+  bool first = true;
+  const int n = wave_schedule(layers, T, ctas, sm_count(device), [&](const Jobs& cells) {
+    p.jobs = cells_to_jobs(true, layers, T, cells);
+    int total = 0;
+    for (int j = 0; j < cells.count; ++j) total += ctas[cells.layer[j]];
+    const int r = launch(v.kernel, p, total, 2, smem, v.pdl && !first,
+                         static_cast<cudaStream_t>(stream));
+    first = false;
+    return r;
+  });
+  return n < 0 ? -n : 0;
 }
 
 const char* wave_lstm_error(int code) {
@@ -829,6 +972,29 @@ const char* wave_lstm_error(int code) {
 }
 
 int wave_lstm_variants(int backward) { return backward ? kBwdCount : kFwdCount; }
+
+// The launches that wave_lstm_forward (backward = 0) or wave_lstm_backward queue for a stack on
+// `budget` SMs, for tests: launch i runs cells (layer[3 i + j], t[3 i + j]) for j < count[i].
+// Returns the number of launches, or -1 when there are more than max_launches.
+int wave_lstm_schedule(int backward, int layers, int T, int B, int budget, int* layer, int* t,
+                       int* count, int max_launches) {
+  if (layers < 1 || layers > MAX_JOBS || T < 1) return -1;
+  int ctas[MAX_JOBS];
+  stage_ctas(backward, layers, B, ctas);
+  int i = 0;
+  const int n = wave_schedule(layers, T, ctas, budget, [&](const Jobs& cells) {
+    if (i >= max_launches) return 1;
+    const Jobs jobs = cells_to_jobs(backward, layers, T, cells);
+    count[i] = jobs.count;
+    for (int j = 0; j < jobs.count; ++j) {
+      layer[3 * i + j] = jobs.layer[j];
+      t[3 * i + j] = jobs.t[j];
+    }
+    ++i;
+    return 0;
+  });
+  return n < 0 ? -1 : n;
+}
 
 // Whether the kernels keep element (t, b, unit) of layer `layer`'s output: the very functions
 // the kernels call, on the host, so that tests can hold keep_mask in lstm_wave.py to them.
