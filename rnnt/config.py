@@ -44,9 +44,10 @@ class ModelConfig:
     # One nn.LSTM per layer instead of one multi-layer cuDNN LSTM: same maths, same
     # parameter count, but each layer is its own module (separately capturable/fusable).
     decoupled_rnns: bool = False
-    # The encoder's two LSTM stacks in training: "cudnn" (nn.LSTM + nn.Dropout) or "wave" (the
+    # The encoder's two LSTM stacks in training: "cudnn" (nn.LSTM + nn.Dropout), "wave" (the
     # Hopper wave kernels of rnnt/kernels/lstm_wave.py, their plain-PyTorch twin off the GPU;
-    # hash-based dropout). Same parameters and checkpoints; evaluation always runs nn.LSTM.
+    # hash-based dropout) or "auto" (wave on a Hopper GPU for batches that are multiples of 192,
+    # cudnn elsewhere). Same parameters and checkpoints; evaluation always runs nn.LSTM.
     encoder_lstm: str = "cudnn"
 
     @property

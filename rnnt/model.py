@@ -14,7 +14,9 @@ Run `python -m rnnt.model CONFIG.yaml` to print the model and its parameter coun
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -39,16 +41,33 @@ def _init_lstm(lstm: nn.LSTM, forget_gate_bias: float, hh_bias_scale: float, sca
             param.mul_(scale)
 
 
-ENCODER_LSTMS = ("cudnn", "wave")
+ENCODER_LSTMS = ("cudnn", "wave", "auto")
+
+
+@functools.cache
+def _wave_runs_on(device: torch.device, hidden: int, n_layers: int) -> bool:
+    """Whether the wave kernels run this stack on `device`; warns once why not."""
+    from rnnt.kernels import lstm_wave
+
+    reason = lstm_wave.unsupported(device, hidden, n_layers)
+    if reason is not None:
+        warnings.warn(
+            f"model.encoder_lstm: auto runs cuDNN on {device}: the wave kernels cannot run "
+            f"({reason})",
+            stacklevel=2,
+        )
+    return reason is None
 
 
 class StackedLSTM(nn.Module):
     """`num_layers` LSTM layers with dropout between layers and on the output.
 
     Time-major: x (T, B, H_in) -> (T, B, H). With `decoupled=True` each layer is its own
-    nn.LSTM (same maths and parameter count as the multi-layer cuDNN LSTM). With `wave=True`
-    training runs through rnnt.kernels.lstm_wave (from zero state; no state returned) on the
-    same parameters; evaluation always runs nn.LSTM.
+    nn.LSTM (same maths and parameter count as the multi-layer cuDNN LSTM). With
+    `lstm="wave"` training runs through rnnt.kernels.lstm_wave (from zero state; no state
+    returned) on the same parameters; `lstm="auto"` does so where the wave kernels run and
+    the batch is a multiple of their 192 rows (on a Hopper GPU), else nn.LSTM. Evaluation
+    always runs nn.LSTM.
     """
 
     def __init__(
@@ -58,18 +77,20 @@ class StackedLSTM(nn.Module):
         num_layers: int,
         dropout: float,
         cfg: ModelConfig,
-        wave: bool = False,
+        lstm: str = "cudnn",
     ) -> None:
         super().__init__()
         self.decoupled = cfg.decoupled_rnns
         self.num_layers = num_layers
+        self.hidden_size = hidden_size
         self.dropout_p = dropout
-        self._wave_stack = None
-        if wave:
+        self.lstm = lstm
+        self._wave = None
+        if lstm != "cudnn":
             # imported here: the kernels package pulls in Triton, which cudnn runs never need
-            from rnnt.kernels.lstm_wave import lstm_stack
+            from rnnt.kernels import lstm_wave
 
-            self._wave_stack = lstm_stack
+            self._wave = lstm_wave
         if self.decoupled:
             self.layers = nn.ModuleList(
                 nn.LSTM(input_size if i == 0 else hidden_size, hidden_size)
@@ -84,6 +105,17 @@ class StackedLSTM(nn.Module):
                 lstm, cfg.forget_gate_bias, cfg.hidden_hidden_bias_scale, cfg.weights_init_scale
             )
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def _runs_wave(self, x: torch.Tensor, state: LSTMState | None) -> bool:
+        if self.lstm == "wave":
+            return True
+        # auto: where the kernels would only pad (a batch of 64 runs 192 rows) or cannot run,
+        # nn.LSTM is the faster choice
+        if state is not None or not x.is_cuda or x.shape[1] % self._wave.BATCH_MULTIPLE:
+            return False
+        if not 0 <= self.dropout_p < 1:
+            return False
+        return _wave_runs_on(x.device, self.hidden_size, self.num_layers)
 
     def layer_weights(self) -> list[tuple[torch.Tensor, ...]]:
         """Per layer (w_ih, w_hh, b_ih, b_hh), the nn.LSTM parameters themselves."""
@@ -102,10 +134,10 @@ class StackedLSTM(nn.Module):
     def forward(
         self, x: torch.Tensor, state: LSTMState | None = None
     ) -> tuple[torch.Tensor, LSTMState | None]:
-        if self._wave_stack is not None and self.training:
+        if self._wave is not None and self.training and self._runs_wave(x, state):
             if state is not None:
                 raise ValueError("the wave LSTM runs from zero state only")
-            return self._wave_stack(x, self.layer_weights(), self.dropout_p), None
+            return self._wave.lstm_stack(x, self.layer_weights(), self.dropout_p), None
         if not self.decoupled:
             x, state = self.layers[0](x, state)
             return self.dropout(x), state
@@ -156,7 +188,7 @@ class Encoder(nn.Module):
                 f"model.encoder_lstm: unknown LSTM '{cfg.encoder_lstm}' (choose one of "
                 f"{', '.join(ENCODER_LSTMS)})"
             )
-        wave = cfg.encoder_lstm == "wave"
+        wave = cfg.encoder_lstm == "wave"  # auto falls back to cuDNN instead of failing
         if wave and hid % 32:
             raise ConfigError(
                 f"model.enc_n_hid: the wave LSTM (model.encoder_lstm: wave) needs a multiple of "
@@ -167,12 +199,12 @@ class Encoder(nn.Module):
                 f"model.enc_dropout: the wave LSTM needs 0 <= p < 1, got {cfg.enc_dropout}"
             )
         self.pre_rnn = StackedLSTM(
-            cfg.in_feats, hid, cfg.enc_pre_rnn_layers, cfg.enc_dropout, cfg, wave
+            cfg.in_feats, hid, cfg.enc_pre_rnn_layers, cfg.enc_dropout, cfg, cfg.encoder_lstm
         )
         self.stack_time = StackTime(cfg.enc_stack_time_factor)
         self.post_rnn = StackedLSTM(
             hid * cfg.enc_stack_time_factor, hid, cfg.enc_post_rnn_layers, cfg.enc_dropout, cfg,
-            wave,
+            cfg.encoder_lstm,
         )  # fmt: skip
         self.joint_enc = nn.Linear(hid, cfg.joint_n_hid)
 

@@ -44,10 +44,11 @@ SOURCE = Path(__file__).parent / "csrc" / "lstm_wave_sm90.cu"
 HIDDEN = 1024  # the kernels' hidden size
 MAX_LAYERS = 3
 BATCH_MULTIPLE = 192  # the backward's clusters pair two 96-row batch tiles
-INPUT_MULTIPLE = 128  # one 128-wide K stage of the forward
+BATCH_TILE = 96
+INPUT_MULTIPLE = 64  # one K stage of the kernels
 # tile variants (csrc: kFwdVariants, kBwdVariants); bench/encoder_lstm.py times them all
-FORWARD_VARIANT = 4
-BACKWARD_VARIANT = 3
+FORWARD_VARIANT = 1
+BACKWARD_VARIANT = 1
 N_FACTORS = 6
 
 _M32 = 0xFFFFFFFF
@@ -161,7 +162,9 @@ class TorchKernels:
     def _acc(dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
-    def forward(self, x, hseq, yseq, cstate, factors, bias, w, p, seed) -> None:
+    def forward(self, x, hseq, yseq, cstate, factors, bias, w, p, seed, x_gates=None) -> None:
+        """x_gates: None, or the first layer's x W_ih^T [T*B, 4H] (permuted columns) from one
+        GEMM before the waves; then x is not read and w[0] is W_hh alone [4H, H]."""
         hidden = hseq[0].shape[1]
         batch = cstate[0].shape[0]
         steps = yseq[0].shape[0] // batch
@@ -169,13 +172,20 @@ class TorchKernels:
         perm = gate_permutation(hidden, w[0].device)
         scale = _dropout_scale(p)
         for layer in range(len(w)):
-            inp = (x if layer == 0 else yseq[layer - 1]).view(steps, batch, -1)
+            hoisted = layer == 0 and x_gates is not None
+            if hoisted:
+                inp = x_gates.view(steps, batch, -1)
+            else:
+                inp = (x if layer == 0 else yseq[layer - 1]).view(steps, batch, -1)
             hs = hseq[layer].view(steps + 1, batch, hidden)
             weight = w[layer].to(acc)
             keep = keep_mask(seed, layer, steps, batch, hidden, p) if p > 0 else None
             c = cstate[layer].to(acc)
             for t in range(steps):
-                z_perm = torch.cat([inp[t], hs[t]], 1).to(acc) @ weight.T + bias[layer].to(acc)
+                if hoisted:
+                    z_perm = hs[t].to(acc) @ weight.T + bias[layer].to(acc) + inp[t].to(acc)
+                else:
+                    z_perm = torch.cat([inp[t], hs[t]], 1).to(acc) @ weight.T + bias[layer].to(acc)
                 z = torch.empty_like(z_perm)
                 z[:, perm] = z_perm
                 i, f, g, o = z.chunk(4, 1)
@@ -196,7 +206,7 @@ class TorchKernels:
                 plane[5] = f
             cstate[layer].copy_(c)
 
-    def backward(self, kin, wt, dz, fac, dc, dy_top, p, seed) -> None:
+    def backward(self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed) -> None:
         layers = len(wt)
         batch, hidden = dc[0].shape
         steps = dy_top.shape[0] // batch
@@ -225,6 +235,8 @@ class TorchKernels:
                 dc_next = d_cell
                 dz_gates = torch.cat([d_cell * a2, d_cell * a3, d_cell * a4, dh * a5], 1)
                 gates[t] = dz_gates[:, perm]
+                tiles = dbias[layer].view(steps, batch // BATCH_TILE, 4 * hidden)
+                tiles[t] = gates[t].to(acc).view(batch // BATCH_TILE, BATCH_TILE, -1).sum(1)
             dc[layer].copy_(dc_next)
 
 
@@ -248,29 +260,31 @@ class CudaKernels:
     def _ptrs(tensors: Sequence[torch.Tensor]):
         return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
 
-    def forward(self, x, hseq, yseq, cstate, factors, bias, w, p, seed) -> None:
+    def forward(self, x, hseq, yseq, cstate, factors, bias, w, p, seed, x_gates=None) -> None:
         layers = len(w)
         batch = cstate[0].shape[0]
         steps = yseq[0].shape[0] // batch
         device = w[0].device
-        kin = [x.shape[1]] + [HIDDEN] * (layers - 1)
-        inputs = [x, *yseq[:-1]]
+        kin = [0 if x_gates is not None else x.shape[1]] + [HIDDEN] * (layers - 1)
+        inputs = [x if x_gates is None else x_gates, *yseq[:-1]]
+        xw = (ctypes.c_void_p * layers)(None if x_gates is None else x_gates.data_ptr())
         rc = self.lib.wave_lstm_forward(
             device.index, layers, steps, batch, (ctypes.c_int * layers)(*kin), self._ptrs(inputs),
-            self._ptrs(hseq), self._ptrs(yseq), self._ptrs(cstate), self._ptrs(factors),
+            xw, self._ptrs(hseq), self._ptrs(yseq), self._ptrs(cstate), self._ptrs(factors),
             self._ptrs(bias), self._ptrs(w), ctypes.c_float(p), ctypes.c_void_p(seed.data_ptr()),
             self.forward_variant, ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
         )  # fmt: skip
         self._check(rc, "forward")
 
-    def backward(self, kin, wt, dz, fac, dc, dy_top, p, seed) -> None:
+    def backward(self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed) -> None:
         layers = len(wt)
         batch = dc[0].shape[0]
         steps = dy_top.shape[0] // batch
         device = wt[0].device
         rc = self.lib.wave_lstm_backward(
             device.index, layers, steps, batch, (ctypes.c_int * layers)(*kin), self._ptrs(wt),
-            self._ptrs(dz), self._ptrs(fac), self._ptrs(dc), ctypes.c_void_p(dy_top.data_ptr()),
+            self._ptrs(dz), self._ptrs(fac), self._ptrs(dc), self._ptrs(dbias),
+            ctypes.c_void_p(dy_top.data_ptr()),
             ctypes.c_float(p), ctypes.c_void_p(seed.data_ptr()), self.backward_variant,
             ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
         )  # fmt: skip
@@ -283,12 +297,12 @@ def library() -> ctypes.CDLL:
     if not getattr(lib, "_typed", False):
         ptrs = ctypes.POINTER(ctypes.c_void_p)
         lib.wave_lstm_forward.argtypes = (
-            [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)] + [ptrs] * 7
+            [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)] + [ptrs] * 8
             + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         )  # fmt: skip
         lib.wave_lstm_forward.restype = ctypes.c_int
         lib.wave_lstm_backward.argtypes = (
-            [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)] + [ptrs] * 4
+            [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)] + [ptrs] * 5
             + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         )  # fmt: skip
         lib.wave_lstm_backward.restype = ctypes.c_int
@@ -374,7 +388,14 @@ class _WaveStack(torch.autograd.Function):
         yseq = [x.new_empty(rows, hidden) for _ in range(n_layers)]
         cstate = [x.new_zeros(batch, hidden, dtype=acc) for _ in range(n_layers)]
         factors = [x.new_empty(N_FACTORS, rows, hidden) for _ in range(n_layers)]
-        kernels.forward(x_rows, hseq, yseq, cstate, factors, bias, w, p, seed)
+        x_gates, w_run = None, w
+        if k_in > hidden:
+            # The first layer's cells would take the longest K of the stack and set the pace of
+            # every launch they share; its input part is one GEMM before the waves instead (as
+            # cuDNN does it), and its cells run W_hh alone.
+            x_gates = x_rows @ w[0][:, :k_in].T
+            w_run = [w[0][:, k_in:].contiguous(), *w[1:]]
+        kernels.forward(x_rows, hseq, yseq, cstate, factors, bias, w_run, p, seed, x_gates)
         ctx.save_for_backward(seed, x_rows, *w, *hseq, *yseq[:-1], *factors)
         ctx.meta = (kernels, p, steps, batch, k_in, n_layers, hidden)
         return yseq[-1].view(steps, batch, hidden)
@@ -394,15 +415,18 @@ class _WaveStack(torch.autograd.Function):
         wt = [weight.t().contiguous() for weight in w]
         dz = [x_rows.new_empty(rows, 4 * hidden) for _ in range(n_layers)]
         dc = [x_rows.new_empty(batch, hidden, dtype=acc) for _ in range(n_layers)]
+        # the bias gradient in partial sums per (step, batch tile), from the kernels' epilogue: a
+        # separate reduction would read all of dz again
+        dbias = [x_rows.new_empty(rows // BATCH_TILE, 4 * hidden, dtype=acc) for _ in w]
         dy = grad_y.to(dtype).contiguous().view(rows, hidden)
-        kernels.backward(kin, wt, dz, factors, dc, dy, p, seed)
+        kernels.backward(kin, wt, dz, factors, dc, dbias, dy, p, seed)
         # dz's columns are in the permuted gate order, so the weight gradients' rows are too
         inverse = torch.argsort(gate_permutation(hidden, x_rows.device))
         grads = []
         for layer in range(n_layers):
             inp = x_rows if layer == 0 else yseq[layer - 1]
             d_gates_t = dz[layer].t()
-            grad_bias = dz[layer].sum(0, dtype=acc)[inverse].to(dtype)
+            grad_bias = dbias[layer].sum(0)[inverse].to(dtype)
             grads += [
                 (d_gates_t @ inp)[inverse],
                 (d_gates_t @ hseq[layer][:rows])[inverse],

@@ -163,12 +163,15 @@ def test_the_reference_is_nn_lstm_with_the_hash_masks(p):
         (5, 192, 128, 32, 2, 0.1),
         (1, 3, 40, 64, 1, 0.0),
         (6, 2, 32, 32, 2, 0.0),
+        (3, 4, 64, 128, 2, 0.2),
     ],
 )
 def test_the_factor_backward_equals_autograd_of_the_reference(
     steps, batch, k_in, hidden, n_layers, p
 ):
-    """y, dx and every parameter's gradient; batches and inputs that need padding included."""
+    """y, dx and every parameter's gradient; batches and inputs that need padding included.
+    Inputs wider than the hidden size (after padding to 64) take the hoisted x W_ih^T path; the
+    last shape does not."""
     layers = random_stack(k_in, hidden, n_layers)
     x = torch.randn(steps, batch, k_in, dtype=F64, requires_grad=True)
     seed = seed_tensor(4321)
@@ -273,6 +276,21 @@ def test_the_wave_encoder_draws_fresh_dropout_per_call_from_torchs_generator():
     assert torch.equal(first, again)
 
 
+def test_auto_runs_cudnn_off_the_gpu(monkeypatch):
+    def no_wave(*args, **kwargs):
+        raise AssertionError("auto ran the wave kernels on the CPU")
+
+    monkeypatch.setattr(lstm_wave, "lstm_stack", no_wave)
+    x = torch.randn(3, 4, 8, 16)
+    out = {}
+    for lstm in ("cudnn", "auto"):
+        torch.manual_seed(0)
+        model = RNNT(tiny_cfg(encoder_lstm=lstm)).train()
+        torch.manual_seed(1)
+        out[lstm] = model.encoder.pre_rnn(x[0])[0]
+    assert torch.equal(out["cudnn"], out["auto"])
+
+
 def test_the_wave_stack_refuses_a_state():
     model = RNNT(tiny_cfg(enc_n_hid=32, encoder_lstm="wave")).train()
     state = (torch.zeros(2, 1, 32), torch.zeros(2, 1, 32))
@@ -290,24 +308,25 @@ def test_the_kernel_source_builds_and_rejects_shapes_it_cannot_tile(tmp_path, mo
     cuda_build.load.cache_clear()
     try:
         lib = lstm_wave.library()
-        assert lib.wave_lstm_variants(0) == 5 and lib.wave_lstm_variants(1) == 4
+        assert lib.wave_lstm_variants(0) == 2 and lib.wave_lstm_variants(1) == 2
         null = (ctypes.c_void_p * 3)()
 
         def forward(layers, steps, batch, kin, p=0.1, variant=0):
             kins = (ctypes.c_int * 3)(*kin)
             return lib.wave_lstm_forward(
-                0, layers, steps, batch, kins, *[null] * 7, p, None, variant, None
+                0, layers, steps, batch, kins, *[null] * 8, p, None, variant, None
             )
 
         def backward(layers, steps, batch, kin, p=0.1):
             kins = (ctypes.c_int * 3)(*kin)
             return lib.wave_lstm_backward(
-                0, layers, steps, batch, kins, *[null] * 4, None, p, None, 0, None
+                0, layers, steps, batch, kins, *[null] * 5, None, p, None, 0, None
             )
 
         # shapes it cannot tile are refused before anything touches a GPU
         for args in ((2, 10, 100, (256, 1024, 0)), (4, 10, 192, (256, 1024, 1024)),
-                     (2, 0, 192, (256, 1024, 0)), (2, 10, 192, (240, 1024, 0))):  # fmt: skip
+                     (2, 0, 192, (256, 1024, 0)), (2, 10, 192, (240, 1024, 0)),
+                     (2, 10, 192, (0, 1024, 0))):  # fmt: skip
             rc = forward(*args)
             assert "unsupported shape" in lib.wave_lstm_error(rc).decode()
         assert (
@@ -315,12 +334,8 @@ def test_the_kernel_source_builds_and_rejects_shapes_it_cannot_tile(tmp_path, mo
             in lib.wave_lstm_error(forward(2, 10, 192, (256, 1024, 0), p=1.0)).decode()
         )
         assert (
-            "unsupported shape"
-            in lib.wave_lstm_error(forward(2, 10, 96, (256, 1024, 0), variant=2)).decode()
-        )
-        assert (
             "no such kernel variant"
-            in lib.wave_lstm_error(forward(2, 10, 192, (256, 1024, 0), variant=5)).decode()
+            in lib.wave_lstm_error(forward(2, 10, 192, (256, 1024, 0), variant=2)).decode()
         )
         assert (
             "unsupported shape" in lib.wave_lstm_error(backward(2, 10, 96, (256, 1024, 0))).decode()
@@ -453,6 +468,24 @@ def test_gpu_wave_stack_gradients_are_as_close_to_fp32_as_cudnn_fp16(k_in, n_lay
         err = ((g.float() - w).norm() / w.norm()).item()
         err16 = ((h16.float() - w).norm() / w.norm()).item()
         assert err < max(3 * err16, 2e-3), (err, err16)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_auto_runs_the_wave_kernels_for_multiples_of_192_rows(monkeypatch):
+    calls = []
+    real = lstm_wave.lstm_stack
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.shape[1])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(lstm_wave, "lstm_stack", counted)
+    cfg = tiny_cfg(encoder_lstm="auto", enc_n_hid=lstm_wave.HIDDEN, in_feats=256)
+    model = RNNT(cfg).cuda().half().train()
+    for batch in (192, 64):
+        model.encoder.pre_rnn(torch.randn(4, batch, 256, device="cuda", dtype=torch.float16))
+    assert calls == [192]
 
 
 @pytest.mark.gpu

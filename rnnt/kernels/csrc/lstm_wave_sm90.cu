@@ -31,25 +31,6 @@ constexpr int HID = 1024;  // hidden size (N = 4 HID)
 __host__ __device__ constexpr uint32_t swz128(uint32_t o) { return o ^ ((o >> 3) & 0x70); }
 __host__ __device__ constexpr uint32_t swz64(uint32_t o) { return o ^ ((o >> 3) & 0x30); }
 
-__device__ __forceinline__ void mbar_arrive_remote(uint64_t* bar, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(bar)), "r"(rank));
-  // .cta-scope release as CUTLASS does: a .cluster-scope one costs about 0.6 us per stage
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(r) : "memory");
-}
-__device__ __forceinline__ void tma_load_mc(void* dst, const CUtensorMap* map, uint64_t* bar,
-                                            int col, int row, uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::"
-      "cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_u32(dst)),
-      "l"(map), "r"(smem_u32(bar)), "r"(col), "r"(row), "h"(mask)
-      : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::
                    : "memory");
@@ -199,10 +180,12 @@ constexpr int N_FACTORS = 6;               // what the backward reads (wave_ref.
 constexpr int THREADS = 256;
 constexpr int MAX_LAYERS = 3;
 constexpr int N_TILES = 4 * HID / BM;       // 32 W tiles per layer
+constexpr int STAGING = (2 + N_FACTORS) * H_TILE;  // the epilogue's outputs, from ring offset 0
+constexpr int XW_BOX = BN * 64 * 2;         // 96 batch rows x 64 gate rows of x W_ih^T, fp16
 static_assert(SUB % 1024 == 0 && W_SUB % 1024 == 0, "swizzled tiles need 1024-byte alignment");
-static_assert((2 + N_FACTORS) * H_TILE <= 2 * SUB, "the epilogue's staging fits in the ring");
+static_assert(STAGING <= 2 * SUB, "the epilogue's staging fits in the ring");
 
-constexpr int smem_bytes(int ring) { return ring * SUB + C_TILE + 1024 + 256; }
+constexpr int smem_bytes(int ring) { return ring * SUB + C_TILE + 1024 + 256; }  // + barriers
 
 struct Params {  // 64-byte aligned through CUtensorMap
   CUtensorMap in[MAX_LAYERS];  // [T*B, K_in] fp16, box 64 x 96: the layer's input sequence
@@ -212,8 +195,10 @@ struct Params {  // 64-byte aligned through CUtensorMap
   CUtensorMap hs[MAX_LAYERS];  // hseq again, box 32 x 96, 64-byte swizzle (store)
   CUtensorMap ys[MAX_LAYERS];  // [T*B, H] fp16 dropout(h), box 32 x 96 (store)
   CUtensorMap fac[MAX_LAYERS]; // [6, T*B, H] fp16 factors for the backward, box 32 x 96 (store)
+  CUtensorMap xw[MAX_LAYERS];  // [T*B, 4H] fp16 x W_ih^T (permuted), box 64 x 96, if has_xw
   const float* bias[MAX_LAYERS];  // [4H] permuted
-  int kin_blocks[MAX_LAYERS];
+  int kin_blocks[MAX_LAYERS];     // 0 where has_xw: the K loop runs over h alone
+  int has_xw[MAX_LAYERS];
   int T, B;
   Jobs jobs;
   float keep_scale;
@@ -221,10 +206,9 @@ struct Params {  // 64-byte aligned through CUtensorMap
   const uint32_t* seed;     // on the device: drawn per call, so graph replays draw afresh
 };
 
-template <int C, int KSUB, int RING>
+template <int RING>
 __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Params p) {
-  constexpr int STAGES = RING / KSUB, STAGE = KSUB * SUB;
-  static_assert(RING % KSUB == 0, "whole stages");
+  constexpr int STAGES = RING;
   extern __shared__ uint8_t raw[];
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
                                              ~static_cast<uintptr_t>(1023));
@@ -232,43 +216,39 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
   uint64_t* full = reinterpret_cast<uint64_t*>(ctile + C_TILE);
   uint64_t* empty = full + STAGES;
   uint64_t* cbar = empty + STAGES;
+  uint64_t* xbar = cbar + 1;  // x W_ih^T's tile
+  // A layer whose input part was hoisted into one GEMM before the waves has the K loop of h
+  // alone; its x W_ih^T tile lands in the ring slot that the stage after the last would take.
+  constexpr int XW_OFFSET = ((HID / BK) % STAGES) * SUB;
+  static_assert(XW_OFFSET >= STAGING && XW_OFFSET + 2 * XW_BOX <= RING * SUB,
+                "x W_ih^T's tile clears the staging and fits in the ring");
   const int nb_count = p.B / BN;
   const int nb = blockIdx.x % nb_count, tile = (blockIdx.x / nb_count) % N_TILES;
   const int job = blockIdx.x / (nb_count * N_TILES);
   const int l = p.jobs.layer[job], t = p.jobs.t[job];
-  const int k_blocks = (p.kin_blocks[l] + HID / BK) / KSUB;
+  const int k_blocks = p.kin_blocks[l] + HID / BK;
   const int row0 = nb * BN;  // first batch row
   const int warp_group = threadIdx.x / 128, tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 4 * C);
+      mbar_init(&empty[s], 4);
     }
     mbar_init(cbar, 1);
+    mbar_init(xbar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (C > 1) cluster_sync(); else __syncthreads();
+  __syncthreads();
   allow_next_wave();
 
   if (warp_group == 0) {
     if (tid == 0) {
-      const uint32_t rank = C > 1 ? cluster_rank() : 0;
       auto load_w = [&](int kb) {
-        const int s = kb % STAGES;
-#pragma unroll
-        for (int j = 0; j < KSUB; ++j) {
-          uint8_t* slice = ring + s * STAGE + j * SUB;
-          const int ks = kb * KSUB + j;
-          if (C > 1)
-            tma_load_mc(slice + rank * (BM / C) * 128, &p.w[l], &full[s], ks * BK,
-                        tile * BM + rank * (BM / C), (1u << C) - 1);
-          else
-            tma_load_2d(slice, &p.w[l], &full[s], ks * BK, tile * BM);
-        }
+        tma_load_2d(ring + (kb % STAGES) * SUB, &p.w[l], &full[kb % STAGES], kb * BK, tile * BM);
       };
       const int early = k_blocks < STAGES ? k_blocks : STAGES;
       for (int kb = 0; kb < early; ++kb) {
-        mbar_expect_tx(&full[kb], KSUB * SUB);
+        mbar_expect_tx(&full[kb], SUB);
         load_w(kb);
       }
       wait_previous_wave();
@@ -278,16 +258,20 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
         const int s = kb % STAGES;
         if (kb >= early) {
           mbar_wait(&empty[s], ((kb / STAGES) & 1) ^ 1);
-          mbar_expect_tx(&full[s], KSUB * SUB);
+          mbar_expect_tx(&full[s], SUB);
           load_w(kb);
         }
-#pragma unroll
-        for (int j = 0; j < KSUB; ++j) {
-          const int ks = kb * KSUB + j;
-          const bool from_in = ks < p.kin_blocks[l];
-          tma_load_2d(ring + s * STAGE + j * SUB + W_SUB, from_in ? &p.in[l] : &p.hl[l], &full[s],
-                      (from_in ? ks : ks - p.kin_blocks[l]) * BK, t * p.B + row0);
-        }
+        const bool from_in = kb < p.kin_blocks[l];
+        tma_load_2d(ring + s * SUB + W_SUB, from_in ? &p.in[l] : &p.hl[l], &full[s],
+                    (from_in ? kb : kb - p.kin_blocks[l]) * BK, t * p.B + row0);
+      }
+      if (p.has_xw[l]) {
+        const int kb = k_blocks;
+        mbar_wait(&empty[kb % STAGES], ((kb / STAGES) & 1) ^ 1);
+        mbar_expect_tx(xbar, 2 * XW_BOX);
+        for (int half = 0; half < 2; ++half)
+          tma_load_2d(ring + XW_OFFSET + half * XW_BOX, &p.xw[l], xbar, tile * BM + 64 * half,
+                      t * p.B + row0);
       }
     }
   } else {
@@ -307,16 +291,14 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
       wgmma_fence();
       fence_acc(d[0]);
       fence_acc(d[1]);
-#pragma unroll
-      for (int j = 0; j < KSUB; ++j) {
-        const uint32_t wa = smem_u32(ring + s * STAGE + j * SUB);
-        const uint32_t xa = wa + W_SUB;
+      {
+        const uint32_t wa = smem_u32(ring + s * SUB), xa = wa + W_SUB;
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk)
 #pragma unroll
           for (int half = 0; half < 2; ++half)
             wgmma_m64n96k16(d[half], smem_desc(wa + half * 64 * 128 + kk * 32),
-                            smem_desc(xa + kk * 32), (kb | j | kk) != 0);
+                            smem_desc(xa + kk * 32), (kb | kk) != 0);
       }
       wgmma_commit();
       fence_acc(d[0]);
@@ -324,38 +306,41 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
       wgmma_wait<1>();
       fence_acc(d[0]);
       fence_acc(d[1]);
-      if (kb >= 1 && lane == 0) {
-        const int sp = (kb - 1) % STAGES;
-        if (C > 1)
-          for (int rk = 0; rk < C; ++rk) mbar_arrive_remote(&empty[sp], rk);
-        else
-          mbar_arrive(&empty[sp]);
-      }
+      if (kb >= 1 && lane == 0) mbar_arrive(&empty[(kb - 1) % STAGES]);
     }
     wgmma_wait<0>();
     fence_acc(d[0]);
     fence_acc(d[1]);
-    if (lane == 0) {  // the last stage, for the peer's producer (it may still be loading)
-      const int sp = (k_blocks - 1) % STAGES;
-      if (C > 1)
-        for (int rk = 0; rk < C; ++rk) mbar_arrive_remote(&empty[sp], rk);
-      else
-        mbar_arrive(&empty[sp]);
-    }
+    if (lane == 0) mbar_arrive(&empty[(k_blocks - 1) % STAGES]);  // the last stage too
     mbar_wait(cbar, 0);
     {
-      // The ring is free for staging once every MMA is done: the producers issue exactly k_blocks
-      // stages (the peer's multicast halves included) and every one of them has landed.
+      // The ring is free for staging once every MMA is done: the producer issues exactly k_blocks
+      // stages and every one of them has landed.
       // Staging: h, dropout(h), then the six factor planes, each 96 batch rows x 32 units.
       const uint32_t st = smem_u32(ring), ct = smem_u32(ctile);
       const int unit = tile * 32 + unit_local;
       const uint32_t step = step_seed(*p.seed, l, t);
       const int mi = lane >> 3, c8 = lane & 7;  // the matrix and the smem row this lane addresses
+      const bool has_xw = p.has_xw[l];
+      if (has_xw) mbar_wait(xbar, 0);
 #pragma unroll
       for (int pj = 0; pj < 3; ++pj) {
         // batch blocks jj = 4 pj .. 4 pj + 3; out[k][m]: tile k's fragment of block 4 pj + m
         // (row: this thread's unit, columns: batch rows 8 jj + 2q, + 1)
         uint32_t out[2 + N_FACTORS][4];
+        // x W_ih^T in the same fragments: xv[half][pair][2 (m % 2) + i] holds gate 2 half + i of
+        // batch block 4 pj + 2 pair + m % 2 (the backward reads its factor tiles this way)
+        uint32_t xv[2][2][4] = {};
+        if (has_xw) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int pair = 0; pair < 2; ++pair)
+              ldmatrix_x4_trans(st + XW_OFFSET + half * XW_BOX +
+                                    swz128((8 * (4 * pj + 2 * pair + (mi >> 1)) + c8) * 128 +
+                                           (16 * warp + 8 * (mi & 1)) * 2),
+                                xv[half][pair]);
+        }
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
           const int jj = 4 * pj + m;
@@ -365,10 +350,18 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
           for (int bit = 0; bit < 2; ++bit) {
             const int b = 8 * jj + 2 * q + bit;  // batch row inside the tile
             const int k = 4 * jj + bit;
-            const float gi = sigmoid_fast(d[0][k] + bias[0]);
-            const float gf = sigmoid_fast(d[0][k + 2] + bias[1]);
-            const float gg = tanh_fast(d[1][k] + bias[2]);
-            const float go = sigmoid_fast(d[1][k + 2] + bias[3]);
+            float x[2][2];
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                const float2 xf = unpack_half2(xv[half][m >> 1][2 * (m & 1) + i]);
+                x[half][i] = bit ? xf.y : xf.x;
+              }
+            const float gi = sigmoid_fast(d[0][k] + bias[0] + x[0][0]);
+            const float gf = sigmoid_fast(d[0][k + 2] + bias[1] + x[0][1]);
+            const float gg = tanh_fast(d[1][k] + bias[2] + x[1][0]);
+            const float go = sigmoid_fast(d[1][k + 2] + bias[3] + x[1][1]);
             const uint32_t ca = ct + swz128(b * 128 + unit_local * 4);
             const float cp = ld_shared_f32(ca);
             const float c = fmaf(gf, cp, gi * gg);
@@ -409,7 +402,6 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
       }
     }
   }
-  if (C > 1) cluster_sync();
 }
 
 
@@ -460,6 +452,7 @@ struct Params {  // 64-byte aligned through CUtensorMap
   CUtensorMap fac[MAX_LAYERS];  // [6, T*B, H] fp16, box 64 x 96
   CUtensorMap dc[MAX_LAYERS];   // [B, H] fp32 running dc, box 32 x 96
   CUtensorMap dy;               // [T*B, H] fp16: the top layer's output gradient, box 64 x 96
+  float* dbias[MAX_LAYERS];     // [T * B / 96, 4H]: dz summed over each 96-row batch tile
   int kin[MAX_LAYERS];
   int T, B, L;
   Jobs jobs;
@@ -615,6 +608,7 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
         const uint32_t e = smem_u32(epi), part = smem_u32(part_area);
         const uint32_t step = step_seed(*p.seed, l, t);
         const int mi = lane >> 3, c8 = lane & 7;
+        float dbias[2][4] = {};  // [i][gate]: this thread's rows of dz (as stored, fp16) summed
         // this thread's accumulator rows: units 16 warp + 8 i + r of the tile (i = 0, 1)
 #pragma unroll
         for (int pj = 0; pj < 6; ++pj) {
@@ -666,7 +660,11 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
               dzf[3][bit] = dh * a[4];
             }
 #pragma unroll
-            for (int g = 0; g < 4; ++g) dzv[g][m] = pack_half2(dzf[g][0], dzf[g][1]);
+            for (int g = 0; g < 4; ++g) {
+              dzv[g][m] = pack_half2(dzf[g][0], dzf[g][1]);
+              const float2 stored = unpack_half2(dzv[g][m]);
+              dbias[m & 1][g] += stored.x + stored.y;
+            }
           }
           // dz of unit ul, gate g goes to the forward's permuted column: quarter 2 (ul / 32) +
           // g / 2 of the tile's 256 columns, column 16 ((ul % 32) / 8) + 8 (g % 2) + ul % 8
@@ -678,6 +676,21 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
                               dzv[g]);
           }
         }
+        // the bias gradient's partial sums (a deterministic order, unlike atomics): the four
+        // lanes of a unit hold its 96 batch rows; columns as dz's
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int g = 0; g < 4; ++g) {
+            float v = dbias[i][g];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            if (q == 0) {
+              const int col = ut * 4 * BM + 64 * (2 * (warp >> 1) + (g >> 1)) +
+                              16 * ((2 * warp + i) & 3) + 8 * (g & 1) + r;
+              p.dbias[l][static_cast<long>(t * nb_count + nb) * 4 * HID + col] = v;
+            }
+          }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         asm volatile("bar.sync 1, 128;" ::: "memory");
         if (tid == 0) {
@@ -706,20 +719,19 @@ using namespace wave;
 constexpr int kBadShape = 1, kBadVariant = 2, kNoEncoder = 3, kEncodeFailed = 1000;
 constexpr int kMaxDevices = 64;
 
-struct FwdVariant { void (*kernel)(fwd::Params); int cluster, ksub, ring; bool pdl; };
+// Variant 1 of each is what lstm_wave.py runs; variant 0 launches every wave after the previous
+// one ends (no programmatic dependent launch), the A/B reference of bench/encoder_lstm.py.
+// Measured and dropped (docs/PERFORMANCE.md): 128-wide forward stages, clusters of two
+// multicasting W's tile, and backward rings 9 or 10 deep.
+struct FwdVariant { void (*kernel)(fwd::Params); int ring; bool pdl; };
 const FwdVariant kFwdVariants[] = {
-    {fwd::wave_t<1, 2, 6>, 1, 2, 6, false},  // 0: 128-wide stages
-    {fwd::wave_t<1, 1, 7>, 1, 1, 7, false},  // 1: 64-wide stages, as cuBLAS's 64 x 7
-    {fwd::wave_t<2, 2, 6>, 2, 2, 6, false},  // 2: clusters of 2 share W's tile by multicast
-    {fwd::wave_t<2, 1, 7>, 2, 1, 7, false},  // 3
-    {fwd::wave_t<1, 1, 7>, 1, 1, 7, true},   // 4: 1, with programmatic dependent launch
+    {fwd::wave_t<7>, 7, false},
+    {fwd::wave_t<7>, 7, true},
 };
 struct BwdVariant { void (*kernel)(bwd::Params); int ring; bool pdl; };
 const BwdVariant kBwdVariants[] = {
-    {bwd::wave_bwd<8>, 8, false},    // 0: 64-wide stages, 8 deep
-    {bwd::wave_bwd<9>, 9, false},    // 1
-    {bwd::wave_bwd<10>, 10, false},  // 2
-    {bwd::wave_bwd<8>, 8, true},     // 3: 0, with programmatic dependent launch
+    {bwd::wave_bwd<8>, 8, false},
+    {bwd::wave_bwd<8>, 8, true},
 };
 constexpr int kFwdCount = sizeof(kFwdVariants) / sizeof(kFwdVariants[0]);
 constexpr int kBwdCount = sizeof(kBwdVariants) / sizeof(kBwdVariants[0]);
@@ -834,9 +846,11 @@ uint32_t drop_threshold(float p_drop) {
 
 extern "C" {
 
-// The forward of an L-layer stack (L <= 3, hidden 1024), T steps, batch B (a multiple of 96, or
-// of 192 with the cluster variants). Per layer l, all contiguous fp16 unless said:
-//   x_in[l]   [T*B, kin[l]]: the layer's input (l > 0: yseq[l - 1]); kin[l] % 128 == 0
+// The forward of an L-layer stack (L <= 3, hidden 1024), T steps, batch B (a multiple of 96).
+// Per layer l, all contiguous fp16 unless said:
+//   x_in[l]   [T*B, kin[l]]: the layer's input (l > 0: yseq[l - 1]); kin[l] % 64 == 0
+//   xw[l]     null, or [T*B, 4H] fp16: x_in W_ih^T (rows permuted as w's) from one GEMM before
+//             the waves; then kin[l] = 0, x_in[l] is not read and w[l] is [4H, H] (W_hh alone)
 //   hseq[l]   [(T+1)*B, H]: slot 0 = h0 (the caller zeroes it), slot t + 1 = h(t)
 //   yseq[l]   [T*B, H]: dropout(h); the last layer's is the stack's output
 //   cstate[l] [B, H] fp32: c0 in (the caller zeroes it), c(T - 1) out
@@ -845,16 +859,17 @@ extern "C" {
 //             (rnnt/kernels/lstm_wave.py: gate_permutation)
 // seed: one uint32 on the device. Returns 0 or a code that wave_lstm_error describes.
 int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void* const* x_in,
-                      void* const* hseq, void* const* yseq, void* const* cstate,
+                      void* const* xw, void* const* hseq, void* const* yseq, void* const* cstate,
                       void* const* factors, void* const* bias, void* const* w, float p_drop,
                       const void* seed, int variant, void* stream) {
   if (variant < 0 || variant >= kFwdCount) return kBadVariant;
   const FwdVariant& v = kFwdVariants[variant];
   if (layers < 1 || layers > fwd::MAX_LAYERS || T < 1 || B < fwd::BN || B % fwd::BN ||
-      B / fwd::BN % v.cluster || !(p_drop >= 0.f && p_drop < 1.f))
+      !(p_drop >= 0.f && p_drop < 1.f))
     return kBadShape;
   for (int l = 0; l < layers; ++l)
-    if (kin[l] < fwd::BK * v.ksub || kin[l] % (fwd::BK * v.ksub)) return kBadShape;
+    if (xw[l] ? kin[l] != 0 : kin[l] < fwd::BK || kin[l] % fwd::BK)
+      return kBadShape;
   if (device < 0 || device >= kMaxDevices) return kBadShape;
   const int err = use_device(device);
   if (err) return err;
@@ -862,11 +877,12 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
   const auto SW128 = CU_TENSOR_MAP_SWIZZLE_128B, SW64 = CU_TENSOR_MAP_SWIZZLE_64B;
   const long rows = static_cast<long>(T) * B, rows1 = rows + B;
   for (int l = 0; l < layers; ++l) {
-    int r = encode_checked(&p.in[l], x_in[l], rows, kin[l], false, fwd::BK, fwd::BN, SW128);
+    int r = xw[l] ? encode_checked(&p.xw[l], xw[l], rows, 4 * HID, false, 64, fwd::BN, SW128)
+                  : encode_checked(&p.in[l], x_in[l], rows, kin[l], false, fwd::BK, fwd::BN, SW128);
     if (!r) r = encode_checked(&p.hl[l], hseq[l], rows1, HID, false, fwd::BK, fwd::BN, SW128);
     if (!r)
       r = encode_checked(&p.w[l], w[l], 4 * HID, kin[l] + HID, false, fwd::BK,
-                         fwd::BM / v.cluster, SW128);
+                         fwd::BM, SW128);
     if (!r) r = encode_checked(&p.c[l], cstate[l], B, HID, true, 32, fwd::BN, SW128);
     if (!r) r = encode_checked(&p.hs[l], hseq[l], rows1, HID, false, 32, fwd::BN, SW64);
     if (!r) r = encode_checked(&p.ys[l], yseq[l], rows, HID, false, 32, fwd::BN, SW64);
@@ -876,6 +892,7 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
     if (r) return r;
     p.bias[l] = static_cast<const float*>(bias[l]);
     p.kin_blocks[l] = kin[l] / fwd::BK;
+    p.has_xw[l] = xw[l] != nullptr;
   }
   p.T = T;
   p.B = B;
@@ -893,7 +910,7 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
     p.jobs = cells_to_jobs(false, layers, T, cells);
     int total = 0;
     for (int j = 0; j < cells.count; ++j) total += ctas[cells.layer[j]];
-    const int r = launch(v.kernel, p, total, v.cluster, smem, v.pdl && !first,
+    const int r = launch(v.kernel, p, total, 1, smem, v.pdl && !first,
                          static_cast<cudaStream_t>(stream));
     first = false;
     return r;
@@ -906,11 +923,13 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
 //   wt[l] [kin[l] + H, 4H] fp16: w[l] transposed;  fac[l]: the forward's factors
 //   dz[l] [T*B, 4H] fp16 (written): the gates' gradient, in w[l]'s permuted row order
 //   dc[l] [B, H] fp32 (scratch)
+//   dbias[l] [T * B / 96, 4H] fp32 (written): dz[l] summed over each 96-row batch tile, in dz's
+//             columns; the bias gradient is its column sum
 // dy_top [T*B, H] fp16: the gradient of the last layer's yseq. The weight gradients, the bias
 // gradients and the input's gradient are GEMMs over dz afterwards (lstm_wave.py).
 int wave_lstm_backward(int device, int layers, int T, int B, const int* kin, void* const* wt,
-                       void* const* dz, void* const* fac, void* const* dc, void* dy_top,
-                       float p_drop, const void* seed, int variant, void* stream) {
+                       void* const* dz, void* const* fac, void* const* dc, void* const* dbias,
+                       void* dy_top, float p_drop, const void* seed, int variant, void* stream) {
   if (variant < 0 || variant >= kBwdCount) return kBadVariant;
   const BwdVariant& v = kBwdVariants[variant];
   if (layers < 1 || layers > bwd::MAX_LAYERS || T < 1 || B < 2 * bwd::BN || B % (2 * bwd::BN) ||
@@ -931,6 +950,7 @@ int wave_lstm_backward(int device, int layers, int T, int B, const int* kin, voi
     if (!r) r = encode_checked(&p.dc[l], dc[l], B, HID, true, 32, bwd::BN, SW128);
     if (r) return r;
     p.kin[l] = kin[l];
+    p.dbias[l] = static_cast<float*>(dbias[l]);
   }
   int r = encode_checked(&p.dy, dy_top, rows, HID, false, 64, bwd::BN, SW128);
   if (r) return r;
@@ -962,8 +982,8 @@ int wave_lstm_backward(int device, int layers, int T, int B, const int* kin, voi
 const char* wave_lstm_error(int code) {
   if (code == kBadShape)
     return "unsupported shape (needs 1 to 3 layers, hidden 1024, T >= 1, a batch that is a "
-           "multiple of 96 (forward) and 192 (backward and the cluster variants), layer inputs "
-           "that are multiples of 128 features, 0 <= p < 1)";
+           "multiple of 96 (forward) and 192 (backward), layer inputs that are multiples of 64 "
+           "features, 0 <= p < 1)";
   if (code == kBadVariant) return "no such kernel variant";
   if (code == kNoEncoder) return "the CUDA driver has no cuTensorMapEncodeTiled (needs >= 12.0)";
   if (code >= kEncodeFailed)
