@@ -6,7 +6,7 @@
 #
 #   bash bench/gpu_session.sh tests       # every @pytest.mark.gpu test
 #   bash bench/gpu_session.sh loss        # bench/joint_loss.py (issue: fused joint + loss)
-#   bash bench/gpu_session.sh step        # bench/train_step.py eager vs graphs, cuDNN vs wave LSTM
+#   bash bench/gpu_session.sh step        # bench/train_step.py eager vs graphs, wave vs cuDNN LSTM
 #   bash bench/gpu_session.sh lstm        # bench/encoder_lstm.py: cuDNN vs the wave kernels per stack
 #   bash bench/gpu_session.sh decode      # bench/decode.py, all decoder modes
 #   bash bench/gpu_session.sh train       # train.py on synthetic batches: fp16, graphs, cg eval
@@ -36,11 +36,11 @@ case "$phase" in
         --loss-backend "$backend" --lengths-tsv "$DATA/librispeech_train-clean-5_lengths.tsv" \
         --json "$OUT/train_step_$backend.json" 2>&1 | tee "$OUT/train_step_$backend.log"
     done
-    # the wave LSTM pads the batch to a multiple of 192: only batch 192 is a fair comparison
-    if [ -n "${WAVE:-1}" ]; then
+    # the config's encoder_lstm is auto (the wave kernels at batch 192 on Hopper): cuDNN beside it
+    if [ -n "${CUDNN:-1}" ]; then
       python3 bench/train_step.py --batch-sizes 192 --num-cg 4 --steps 20 --loss-backend fused \
-        --set model.encoder_lstm=wave --lengths-tsv "$DATA/librispeech_train-clean-5_lengths.tsv" \
-        --json "$OUT/train_step_wave.json" 2>&1 | tee "$OUT/train_step_wave.log"
+        --set model.encoder_lstm=cudnn --lengths-tsv "$DATA/librispeech_train-clean-5_lengths.tsv" \
+        --json "$OUT/train_step_cudnn.json" 2>&1 | tee "$OUT/train_step_cudnn.log"
     fi ;;
   lstm)
     python3 bench/encoder_lstm.py --json "$OUT/encoder_lstm.json" 2>&1 | tee "$OUT/encoder_lstm.log" ;;

@@ -27,8 +27,9 @@ Decisions (documented contract):
 * With the model in eval mode or with autograd disabled the eager modules run: the graphs hold
   the training-mode forward (dropout on) and a backward.
 
-Speed: at batch 192 the time outside joint + loss is almost all cuDNN's per-time-step LSTM
-kernels; docs/PERFORMANCE.md gives the breakdown and the alternatives measured and not kept
+Speed: at batch 192 the time outside joint + loss is almost all the encoder's LSTMs (cuDNN's
+per-time-step kernels, or the wave kernels of `model.encoder_lstm: wave | auto`);
+docs/PERFORMANCE.md gives the breakdown and the alternatives measured and not kept
 (side-stream prediction graph, more buckets, stream-split batches, Triton and CUDA C++ LSTMs).
 
 Memory: the encoder buckets share one graph memory pool and the prediction buckets another.
