@@ -44,12 +44,17 @@ def _init_lstm(lstm: nn.LSTM, forget_gate_bias: float, hh_bias_scale: float, sca
 ENCODER_LSTMS = ("cudnn", "wave", "auto")
 
 
+def _lstm_wave():
+    # imported on use: the kernels package pulls in Triton, which cuDNN and CPU runs never need
+    from rnnt.kernels import lstm_wave
+
+    return lstm_wave
+
+
 @functools.cache
 def _wave_runs_on(device: torch.device, hidden: int, n_layers: int) -> bool:
     """Whether the wave kernels run this stack on `device`; warns once why not."""
-    from rnnt.kernels import lstm_wave
-
-    reason = lstm_wave.unsupported(device, hidden, n_layers)
+    reason = _lstm_wave().unsupported(device, hidden, n_layers)
     if reason is not None:
         warnings.warn(
             f"model.encoder_lstm: auto runs cuDNN on {device}: the wave kernels cannot run "
@@ -85,12 +90,8 @@ class StackedLSTM(nn.Module):
         self.hidden_size = hidden_size
         self.dropout_p = dropout
         self.lstm = lstm
-        self._wave = None
-        if lstm != "cudnn":
-            # imported here: the kernels package pulls in Triton, which cudnn runs never need
-            from rnnt.kernels import lstm_wave
-
-            self._wave = lstm_wave
+        if lstm == "wave":
+            _lstm_wave()  # an install without the kernels' needs fails here, not at a step
         if self.decoupled:
             self.layers = nn.ModuleList(
                 nn.LSTM(input_size if i == 0 else hidden_size, hidden_size)
@@ -111,7 +112,7 @@ class StackedLSTM(nn.Module):
             return True
         # auto: where the kernels would only pad (a batch of 64 runs 192 rows) or cannot run,
         # nn.LSTM is the faster choice
-        if state is not None or not x.is_cuda or x.shape[1] % self._wave.BATCH_MULTIPLE:
+        if state is not None or not x.is_cuda or x.shape[1] % _lstm_wave().BATCH_MULTIPLE:
             return False
         if not 0 <= self.dropout_p < 1:
             return False
@@ -134,10 +135,10 @@ class StackedLSTM(nn.Module):
     def forward(
         self, x: torch.Tensor, state: LSTMState | None = None
     ) -> tuple[torch.Tensor, LSTMState | None]:
-        if self._wave is not None and self.training and self._runs_wave(x, state):
+        if self.lstm != "cudnn" and self.training and self._runs_wave(x, state):
             if state is not None:
                 raise ValueError("the wave LSTM runs from zero state only")
-            return self._wave.lstm_stack(x, self.layer_weights(), self.dropout_p), None
+            return _lstm_wave().lstm_stack(x, self.layer_weights(), self.dropout_p), None
         if not self.decoupled:
             x, state = self.layers[0](x, state)
             return self.dropout(x), state
