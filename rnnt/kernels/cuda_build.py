@@ -41,6 +41,20 @@ class BuildError(RuntimeError):
     """A CUDA source could not be compiled or loaded here; the message says why."""
 
 
+def hopper_missing(device) -> str | None:
+    """What a torch `device` lacks to run sm_90a code, as the object of "needs" (None if
+    nothing): the kernels' `unsupported` checks all start here."""
+    if device.type != "cuda":
+        return f"a CUDA device, not {device}"
+    import torch  # the build helpers themselves need no torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(device)
+        return f"a Hopper GPU (compute capability 9.0); {name} is {major}.{minor}"
+    return None
+
+
 def find_nvcc() -> Path | None:
     """nvcc of $CUDA_HOME, else the one on PATH, else /usr/local/cuda's."""
     candidates = []

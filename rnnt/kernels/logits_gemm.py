@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from rnnt.kernels.cuda_build import SM90A_FLAGS, BuildError, load
+from rnnt.kernels.cuda_build import SM90A_FLAGS, BuildError, hopper_missing, load
 
 GEMMS = ("auto", "cublas", "sm90")
 SOURCE = Path(__file__).parent / "csrc" / "logits_lse_sm90.cu"
@@ -47,12 +47,9 @@ def library() -> ctypes.CDLL:
 
 def unsupported(device: torch.device, dtype: torch.dtype, hidden: int, vocab: int) -> str | None:
     """Why the kernel cannot compute h (rows x hidden) W^T (W: vocab x hidden) here, or None."""
-    if device.type != "cuda":
-        return f"it needs a CUDA device, not {device}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) != (9, 0):
-        name = torch.cuda.get_device_name(device)
-        return f"it needs a Hopper GPU (compute capability 9.0); {name} is {major}.{minor}"
+    missing = hopper_missing(device)
+    if missing is not None:
+        return f"it needs {missing}"
     if dtype != torch.float16:
         return f"it takes fp16 operands, not {dtype}"
     if vocab % TILE_N or hidden % TILE_K or hidden > MAX_K:

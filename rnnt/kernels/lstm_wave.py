@@ -2,8 +2,9 @@
 
 cuDNN runs an LSTM stack as one GEMM and one cell kernel per layer and time step, about 3,400
 dependent launches per training step at batch 192, each too small to fill an H200.
-`csrc/lstm_wave_sm90.cu` runs every layer of a stack in one launch per "wave" (layer l at step
-w - l), with the cell fused into the GEMM's epilogue, and a matching backward; the design and its
+`csrc/lstm_wave_sm90.cu` runs the (layer, step) cells of a stack several per launch (each
+launch packs the cells whose inputs are ready, as many as fill the SMs), with the cell fused into
+the GEMM's epilogue, and a matching backward; the design and its
 measurements are in docs/PERFORMANCE.md.
 
 Three implementations of one contract, so that each is checked against the next:
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from rnnt.kernels.cuda_build import SM90A_FLAGS, BuildError, load
+from rnnt.kernels.cuda_build import SM90A_FLAGS, BuildError, hopper_missing, load
 
 # one layer's nn.LSTM parameters: w_ih (4H, K), w_hh (4H, H), b_ih (4H,), b_hh (4H,); gates
 # (i, f, g, o) as nn.LSTM orders them
@@ -46,7 +47,8 @@ MAX_LAYERS = 3
 BATCH_MULTIPLE = 192  # the backward's clusters pair two 96-row batch tiles
 BATCH_TILE = 96
 INPUT_MULTIPLE = 64  # one K stage of the kernels
-# tile variants (csrc: kFwdVariants, kBwdVariants); bench/encoder_lstm.py times them all
+# launch variants (csrc: kFwdVariants, kBwdVariants: 0 without, 1 with programmatic dependent
+# launch); bench/encoder_lstm.py times them all
 FORWARD_VARIANT = 1
 BACKWARD_VARIANT = 1
 N_FACTORS = 6
@@ -266,7 +268,7 @@ class CudaKernels:
         steps = yseq[0].shape[0] // batch
         device = w[0].device
         kin = [0 if x_gates is not None else x.shape[1]] + [HIDDEN] * (layers - 1)
-        inputs = [x if x_gates is None else x_gates, *yseq[:-1]]
+        inputs = [x, *yseq[:-1]]  # x is not read where x_gates stands in for it
         xw = (ctypes.c_void_p * layers)(None if x_gates is None else x_gates.data_ptr())
         rc = self.lib.wave_lstm_forward(
             device.index, layers, steps, batch, (ctypes.c_int * layers)(*kin), self._ptrs(inputs),
@@ -336,12 +338,9 @@ def launch_schedule(
 
 def unsupported(device: torch.device, hidden: int, n_layers: int) -> str | None:
     """Why the CUDA kernels cannot run a stack of `n_layers` of `hidden` units here, or None."""
-    if device.type != "cuda":
-        return f"they need a CUDA device, not {device}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) != (9, 0):
-        name = torch.cuda.get_device_name(device)
-        return f"they need a Hopper GPU (compute capability 9.0); {name} is {major}.{minor}"
+    missing = hopper_missing(device)
+    if missing is not None:
+        return f"they need {missing}"
     if hidden != HIDDEN or not 1 <= n_layers <= MAX_LAYERS:
         return (
             f"they run stacks of 1 to {MAX_LAYERS} layers of hidden size {HIDDEN} (this one: "
@@ -452,9 +451,9 @@ def lstm_stack(
 ) -> torch.Tensor:
     """An LSTM stack with dropout p after every layer, zero initial state: x (T, B, K) ->
     (T, B, H). By default the CUDA kernels on a GPU (fp16; an error says why where they cannot
-    run) and TorchKernels elsewhere; `kernels` picks others (a tile variant, say). `seed` (a
+    run) and TorchKernels elsewhere; `kernels` picks others (a launch variant, say). `seed` (a
     one-element int32 tensor on x's device) is drawn from torch's generator when not given. The
-    batch is padded to a multiple of 192 and the first layer's input to a multiple of 128
+    batch is padded to a multiple of 192 and the first layer's input to a multiple of 64
     features, invisibly to the caller."""
     if seed is None:
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=x.device)

@@ -1,10 +1,12 @@
 // The encoder's LSTM stacks as waves of Hopper kernels (sm_90a: TMA, wgmma, clusters), forward and
 // backward; rnnt/kernels/lstm_wave.py wires them into autograd and holds their plain-PyTorch twin.
 //
-// A wave is one launch that runs every layer of the stack at its own step: the forward's wave w
-// runs layer l at t = w - l, so layer l + 1 reads layer l's output of the previous wave and one
-// launch does the work of several cuDNN steps. The backward's wave v runs layer l at
-// t = T - 1 - v + (L - 1 - l), so dz_l(t + 1) and dz_{l+1}(t) both come from wave v - 1.
+// A launch (a "wave") runs several (layer, step) cells of the stack at once: the host schedule
+// (wave_schedule) packs the cells whose inputs earlier launches wrote, as many as fit the SMs, so
+// one launch does the work of several cuDNN steps. In the forward cell (l, t) needs (l, t - 1)
+// and (l - 1, t); in the backward (l, t + 1) and (l + 1, t). Later launches use programmatic
+// dependent launch. A layer whose input is wider than the hidden size gets x W_ih^T from one GEMM
+// before the waves and runs W_hh alone.
 //
 // Forward GEMM, per wave and layer: gates^T = W x [in(t), h(t - 1)]^T, tiled as cuBLAS tiles it
 // (128 W rows x 96 batch rows, K slices of 64); the cell runs in the epilogue, which writes h,
