@@ -166,9 +166,10 @@ class _EncodeSegment(nn.Module):
         self, x: torch.Tensor, lens: torch.Tensor, keep: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         enc = self.encoder
-        h, _ = enc.pre_rnn(x)
+        # the lengths let the wave LSTM skip the bucket's padding steps on the device
+        h, _ = enc.pre_rnn(x, lengths=lens)
         h, lens = enc.stack_time(h * keep, lens)
-        h, _ = enc.post_rnn(h)
+        h, _ = enc.post_rnn(h, lengths=lens)
         return enc.joint_enc(h.transpose(0, 1)), lens
 
 

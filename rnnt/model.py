@@ -73,6 +73,10 @@ class StackedLSTM(nn.Module):
     returned) on the same parameters; `lstm="auto"` does so where the wave kernels run and
     the batch is a multiple of their 192 rows (on a Hopper GPU), else nn.LSTM. Evaluation
     always runs nn.LSTM.
+
+    `lengths` (B,), optional: the wave kernels skip the steps past the longest sequence (a
+    CUDA-graph bucket pads most batches) and return zeros there; nn.LSTM runs every step. Either
+    way the outputs before that step are the same.
     """
 
     def __init__(
@@ -133,12 +137,16 @@ class StackedLSTM(nn.Module):
         ]
 
     def forward(
-        self, x: torch.Tensor, state: LSTMState | None = None
+        self,
+        x: torch.Tensor,
+        state: LSTMState | None = None,
+        lengths: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LSTMState | None]:
         if self.lstm != "cudnn" and self.training and self._runs_wave(x, state):
             if state is not None:
                 raise ValueError("the wave LSTM runs from zero state only")
-            return _lstm_wave().lstm_stack(x, self.layer_weights(), self.dropout_p), None
+            y = _lstm_wave().lstm_stack(x, self.layer_weights(), self.dropout_p, lengths=lengths)
+            return y, None
         if not self.decoupled:
             x, state = self.layers[0](x, state)
             return self.dropout(x), state
@@ -210,9 +218,9 @@ class Encoder(nn.Module):
         self.joint_enc = nn.Linear(hid, cfg.joint_n_hid)
 
     def forward(self, x: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, _ = self.pre_rnn(x)
+        x, _ = self.pre_rnn(x, lengths=lens)
         x, lens = self.stack_time(x, lens)
-        x, _ = self.post_rnn(x)
+        x, _ = self.post_rnn(x, lengths=lens)
         return self.joint_enc(x.transpose(0, 1)), lens
 
 

@@ -21,6 +21,11 @@ Dropout: a counter-based hash of (seed, layer, step, batch row, unit) decides ea
 (`keep_mask`), so the backward recomputes the mask instead of storing it, and a padded batch
 leaves the real rows' masks unchanged. The seed is a one-element int32 tensor on the device,
 drawn from torch's generator on every call, so CUDA-graph replays draw fresh masks.
+
+Padding steps: given the batch's lengths, the steps past the longest are padding (a CUDA-graph
+bucket is longer than most batches run through it). The kernels skip them on the device, and
+their outputs there are zero; everything before them is what the stack of the shorter length
+computes.
 """
 
 from __future__ import annotations
@@ -164,12 +169,21 @@ class TorchKernels:
     def _acc(dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
-    def forward(self, x, hseq, yseq, cstate, factors, bias, w, p, seed, x_gates=None) -> None:
+    @staticmethod
+    def _active(active: torch.Tensor | None, steps: int) -> int:
+        return steps if active is None else max(0, min(steps, int(active.item())))
+
+    def forward(
+        self, x, hseq, yseq, cstate, factors, bias, w, p, seed, x_gates=None, active=None
+    ) -> None:
         """x_gates: None, or the first layer's x W_ih^T [T*B, 4H] (permuted columns) from one
-        GEMM before the waves; then x is not read and w[0] is W_hh alone [4H, H]."""
+        GEMM before the waves; then x is not read and w[0] is W_hh alone [4H, H]. active: None,
+        or a one-element int32 tensor n: steps t >= n are padding (h and yseq zero there, their
+        factors not written, cstate c(n - 1))."""
         hidden = hseq[0].shape[1]
         batch = cstate[0].shape[0]
         steps = yseq[0].shape[0] // batch
+        n_active = self._active(active, steps)
         acc = self._acc(w[0].dtype)
         perm = gate_permutation(hidden, w[0].device)
         scale = _dropout_scale(p)
@@ -184,6 +198,10 @@ class TorchKernels:
             keep = keep_mask(seed, layer, steps, batch, hidden, p) if p > 0 else None
             c = cstate[layer].to(acc)
             for t in range(steps):
+                if t >= n_active:
+                    hs[t + 1] = 0
+                    yseq[layer].view(steps, batch, hidden)[t] = 0
+                    continue
                 if hoisted:
                     z_perm = hs[t].to(acc) @ weight.T + bias[layer].to(acc) + inp[t].to(acc)
                 else:
@@ -208,10 +226,13 @@ class TorchKernels:
                 plane[5] = f
             cstate[layer].copy_(c)
 
-    def backward(self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed) -> None:
+    def backward(self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed, active=None) -> None:
+        """active: the forward's; dz and the partial sums are zero at the padding steps, and
+        dy_top is not read there."""
         layers = len(wt)
         batch, hidden = dc[0].shape
         steps = dy_top.shape[0] // batch
+        n_active = self._active(active, steps)
         acc = self._acc(wt[0].dtype)
         perm = gate_permutation(hidden, wt[0].device)
         scale = _dropout_scale(p)
@@ -221,15 +242,18 @@ class TorchKernels:
             keep = keep_mask(seed, layer, steps, batch, hidden, p) if p > 0 else None
             planes = fac[layer].view(N_FACTORS, steps, batch, hidden).to(acc)
             gates = dz[layer].view(steps, batch, 4 * hidden)
+            tiles = dbias[layer].view(steps, batch // BATCH_TILE, 4 * hidden)
+            gates[n_active:] = 0
+            tiles[n_active:] = 0
             dc_next = None
-            for t in reversed(range(steps)):
+            for t in reversed(range(n_active)):
                 if above is None:
                     dy = dy_top.view(steps, batch, hidden)[t].to(acc)
                 else:
                     dy = dz[layer + 1].view(steps, batch, 4 * hidden)[t].to(acc) @ above.T
                 if keep is not None:
                     dy = torch.where(keep[t], dy * scale, 0.0)
-                dh = dy if t == steps - 1 else dy + gates[t + 1].to(acc) @ w_hh.T
+                dh = dy if t == n_active - 1 else dy + gates[t + 1].to(acc) @ w_hh.T
                 a1, a2, a3, a4, a5, _ = planes[:, t]
                 d_cell = dh * a1
                 if dc_next is not None:
@@ -237,9 +261,9 @@ class TorchKernels:
                 dc_next = d_cell
                 dz_gates = torch.cat([d_cell * a2, d_cell * a3, d_cell * a4, dh * a5], 1)
                 gates[t] = dz_gates[:, perm]
-                tiles = dbias[layer].view(steps, batch // BATCH_TILE, 4 * hidden)
                 tiles[t] = gates[t].to(acc).view(batch // BATCH_TILE, BATCH_TILE, -1).sum(1)
-            dc[layer].copy_(dc_next)
+            if dc_next is not None:
+                dc[layer].copy_(dc_next)
 
 
 class CudaKernels:
@@ -262,7 +286,13 @@ class CudaKernels:
     def _ptrs(tensors: Sequence[torch.Tensor]):
         return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
 
-    def forward(self, x, hseq, yseq, cstate, factors, bias, w, p, seed, x_gates=None) -> None:
+    @staticmethod
+    def _ptr(tensor: torch.Tensor | None) -> ctypes.c_void_p:
+        return ctypes.c_void_p(None if tensor is None else tensor.data_ptr())
+
+    def forward(
+        self, x, hseq, yseq, cstate, factors, bias, w, p, seed, x_gates=None, active=None
+    ) -> None:
         layers = len(w)
         batch = cstate[0].shape[0]
         steps = yseq[0].shape[0] // batch
@@ -273,12 +303,12 @@ class CudaKernels:
         rc = self.lib.wave_lstm_forward(
             device.index, layers, steps, batch, (ctypes.c_int * layers)(*kin), self._ptrs(inputs),
             xw, self._ptrs(hseq), self._ptrs(yseq), self._ptrs(cstate), self._ptrs(factors),
-            self._ptrs(bias), self._ptrs(w), ctypes.c_float(p), ctypes.c_void_p(seed.data_ptr()),
+            self._ptrs(bias), self._ptrs(w), ctypes.c_float(p), self._ptr(seed), self._ptr(active),
             self.forward_variant, ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
         )  # fmt: skip
         self._check(rc, "forward")
 
-    def backward(self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed) -> None:
+    def backward(self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed, active=None) -> None:
         layers = len(wt)
         batch = dc[0].shape[0]
         steps = dy_top.shape[0] // batch
@@ -287,7 +317,7 @@ class CudaKernels:
             device.index, layers, steps, batch, (ctypes.c_int * layers)(*kin), self._ptrs(wt),
             self._ptrs(dz), self._ptrs(fac), self._ptrs(dc), self._ptrs(dbias),
             ctypes.c_void_p(dy_top.data_ptr()),
-            ctypes.c_float(p), ctypes.c_void_p(seed.data_ptr()), self.backward_variant,
+            ctypes.c_float(p), self._ptr(seed), self._ptr(active), self.backward_variant,
             ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
         )  # fmt: skip
         self._check(rc, "backward")
@@ -300,12 +330,13 @@ def library() -> ctypes.CDLL:
         ptrs = ctypes.POINTER(ctypes.c_void_p)
         lib.wave_lstm_forward.argtypes = (
             [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)] + [ptrs] * 8
-            + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         )  # fmt: skip
         lib.wave_lstm_forward.restype = ctypes.c_int
         lib.wave_lstm_backward.argtypes = (
             [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)] + [ptrs] * 5
-            + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+               ctypes.c_void_p]
         )  # fmt: skip
         lib.wave_lstm_backward.restype = ctypes.c_int
         lib.wave_lstm_error.argtypes = [ctypes.c_int]
@@ -364,10 +395,19 @@ def _cuda_kernels() -> CudaKernels:
 
 class _WaveStack(torch.autograd.Function):
     """y = stack(x) through a kernels object (TorchKernels or CudaKernels). x (T, B, K) with B a
-    multiple of BATCH_MULTIPLE and K of INPUT_MULTIPLE; weights in x's dtype."""
+    multiple of BATCH_MULTIPLE and K of INPUT_MULTIPLE; weights in x's dtype; `active` None or
+    the steps before the padding (a one-element int32 tensor on x's device)."""
 
     @staticmethod
-    def forward(ctx, kernels, p: float, seed: torch.Tensor, x: torch.Tensor, *flat: torch.Tensor):
+    def forward(
+        ctx,
+        kernels,
+        p: float,
+        seed: torch.Tensor,
+        active: torch.Tensor | None,
+        x: torch.Tensor,
+        *flat: torch.Tensor,
+    ):
         steps, batch, k_in = x.shape
         n_layers, hidden = len(flat) // 4, flat[1].shape[1]
         acc = TorchKernels._acc(x.dtype)
@@ -394,7 +434,8 @@ class _WaveStack(torch.autograd.Function):
             # cuDNN does it), and its cells run W_hh alone.
             x_gates = x_rows @ w[0][:, :k_in].T
             w_run = [w[0][:, k_in:].contiguous(), *w[1:]]
-        kernels.forward(x_rows, hseq, yseq, cstate, factors, bias, w_run, p, seed, x_gates)
+        kernels.forward(x_rows, hseq, yseq, cstate, factors, bias, w_run, p, seed, x_gates, active)
+        ctx.active = active  # not saved with the tensors: None is a valid value
         ctx.save_for_backward(seed, x_rows, *w, *hseq, *yseq[:-1], *factors)
         ctx.meta = (kernels, p, steps, batch, k_in, n_layers, hidden)
         return yseq[-1].view(steps, batch, hidden)
@@ -418,7 +459,7 @@ class _WaveStack(torch.autograd.Function):
         # separate reduction would read all of dz again
         dbias = [x_rows.new_empty(rows // BATCH_TILE, 4 * hidden, dtype=acc) for _ in w]
         dy = grad_y.to(dtype).contiguous().view(rows, hidden)
-        kernels.backward(kin, wt, dz, factors, dc, dbias, dy, p, seed)
+        kernels.backward(kin, wt, dz, factors, dc, dbias, dy, p, seed, ctx.active)
         # dz's columns are in the permuted gate order, so the weight gradients' rows are too
         inverse = torch.argsort(gate_permutation(hidden, x_rows.device))
         grads = []
@@ -433,9 +474,9 @@ class _WaveStack(torch.autograd.Function):
                 grad_bias,
             ]
         grad_x = None
-        if ctx.needs_input_grad[3]:
+        if ctx.needs_input_grad[4]:
             grad_x = (dz[0] @ w[0][:, :k_in]).view(steps, batch, k_in)
-        return (None, None, None, grad_x, *grads)
+        return (None, None, None, None, grad_x, *grads)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -448,13 +489,16 @@ def lstm_stack(
     p: float,
     seed: torch.Tensor | None = None,
     kernels: CudaKernels | TorchKernels | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """An LSTM stack with dropout p after every layer, zero initial state: x (T, B, K) ->
     (T, B, H). By default the CUDA kernels on a GPU (fp16; an error says why where they cannot
     run) and TorchKernels elsewhere; `kernels` picks others (a launch variant, say). `seed` (a
     one-element int32 tensor on x's device) is drawn from torch's generator when not given. The
     batch is padded to a multiple of 192 and the first layer's input to a multiple of 64
-    features, invisibly to the caller."""
+    features, invisibly to the caller. `lengths` (B,): where given, the steps at and past the
+    longest are padding: skipped, with zero outputs (no host sync: the count stays on the
+    device)."""
     if seed is None:
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=x.device)
     if kernels is None and x.is_cuda:
@@ -478,5 +522,8 @@ def lstm_stack(
         if index == 0 and pad_k:
             w_ih = F.pad(w_ih, (0, pad_k))
         flat += [w_ih, w_hh, b_ih, b_hh]
-    y = _WaveStack.apply(kernels, p, seed, x, *flat)
+    active = None
+    if lengths is not None:
+        active = lengths.to(x.device).amax().clamp(0, steps).to(torch.int32).reshape(1)
+    y = _WaveStack.apply(kernels, p, seed, active, x, *flat)
     return y[:, :batch] if pad_b else y

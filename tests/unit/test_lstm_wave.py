@@ -187,6 +187,35 @@ def test_the_factor_backward_equals_autograd_of_the_reference(
         assert (g - w).abs().max() < 1e-11
 
 
+@pytest.mark.parametrize(
+    "k_in,hidden,longest", [(12, 32, 4), (128, 32, 1), (64, 128, 6), (64, 128, 0)]
+)
+def test_steps_past_the_longest_length_are_skipped_with_zero_outputs(k_in, hidden, longest):
+    """What a CUDA-graph bucket longer than the batch runs: the stack over the longest length
+    alone, zeros after it, and no gradient from the padding (dy there is not read)."""
+    steps, batch, n_layers, p = 6, 5, 3, 0.2
+    layers = random_stack(k_in, hidden, n_layers)
+    x = torch.randn(steps, batch, k_in, dtype=F64, requires_grad=True)
+    seed = seed_tensor(99)
+    lengths = torch.tensor([longest, 1, longest, 0, 1]).clamp(max=longest)
+    dy = torch.randn(steps, batch, hidden, dtype=F64)
+    y = lstm_stack(x, layers, p, seed, lengths=lengths)
+    got = torch.autograd.grad(y, [x, *flat(layers)], dy)
+    assert torch.equal(y[longest:], torch.zeros_like(y[longest:]))
+    assert torch.equal(got[0][longest:], torch.zeros_like(got[0][longest:]))
+    if longest == 0:
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in got)
+        return
+    y_ref = stack_reference(x[:longest], layers, p, seed)
+    want = torch.autograd.grad(y_ref, [x, *flat(layers)], dy[:longest])
+    assert (y[:longest] - y_ref).abs().max() < 1e-12
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() < 1e-11
+    # the full length is the stack without padding
+    full = lstm_stack(x, layers, p, seed, lengths=torch.full((batch,), steps))
+    assert torch.equal(full, lstm_stack(x, layers, p, seed))
+
+
 def test_the_saved_factors_in_fp16_keep_gradients_within_fp16_error():
     """The kernels save the six factors in fp16: the same maths with fp16 buffers stays within
     about 1e-3 of float64."""
@@ -314,13 +343,13 @@ def test_the_kernel_source_builds_and_rejects_shapes_it_cannot_tile(tmp_path, mo
         def forward(layers, steps, batch, kin, p=0.1, variant=0):
             kins = (ctypes.c_int * 3)(*kin)
             return lib.wave_lstm_forward(
-                0, layers, steps, batch, kins, *[null] * 8, p, None, variant, None
+                0, layers, steps, batch, kins, *[null] * 8, p, None, None, variant, None
             )
 
         def backward(layers, steps, batch, kin, p=0.1):
             kins = (ctypes.c_int * 3)(*kin)
             return lib.wave_lstm_backward(
-                0, layers, steps, batch, kins, *[null] * 5, None, p, None, 0, None
+                0, layers, steps, batch, kins, *[null] * 5, None, p, None, None, 0, None
             )
 
         # shapes it cannot tile are refused before anything touches a GPU
@@ -395,48 +424,80 @@ def test_off_hopper_the_kernels_say_why():
     assert "CUDA device" in lstm_wave.unsupported(torch.device("cpu"), 1024, 2)
 
 
-def cuda_buffers(steps, batch, k_in, n_layers, p, seed, layers):
-    """Forward buffers filled by the CUDA kernels and by TorchKernels from the same inputs."""
+def cuda_buffers(steps, batch, k_in, n_layers, p, seed, layers, active=None):
+    """Forward and backward buffers filled by the CUDA kernels and by TorchKernels from the same
+    inputs (the backward from TorchKernels' factors). The outputs start as NaN, so that what a
+    kernel leaves unwritten shows; a first layer wider than the hidden size runs as the autograd
+    Function runs it, with x W_ih^T from one GEMM before the waves."""
     dev, hidden = "cuda", lstm_wave.HIDDEN
     perm = lstm_wave.gate_permutation(hidden, dev)
     w = [torch.cat(layer[:2], 1)[perm].half().contiguous() for layer in layers]
     bias = [(layer[2].float() + layer[3].float())[perm].contiguous() for layer in layers]
     x = (torch.randn(steps * batch, k_in, device=dev)).half()
+    x_gates, w_run = None, w
+    if k_in > hidden:
+        x_gates = x @ w[0][:, :k_in].T
+        w_run = [w[0][:, k_in:].contiguous(), *w[1:]]
+    wt = [weight.t().contiguous() for weight in w]
+    kin = [k_in] + [hidden] * (n_layers - 1)
+    dy = (torch.randn(steps * batch, hidden, device=dev) * 0.1).half()
+    rows = steps * batch
+
+    def nans(*shape, dtype=torch.float16):
+        return torch.full(shape, float("nan"), device=dev, dtype=dtype)
+
     out = {}
-    for name, kernels in (("cuda", lstm_wave.CudaKernels()), ("torch", lstm_wave.TorchKernels())):
-        hseq = [
-            torch.zeros((steps + 1) * batch, hidden, device=dev, dtype=torch.float16)
-            for _ in layers
-        ]
-        yseq = [torch.zeros(steps * batch, hidden, device=dev, dtype=torch.float16) for _ in layers]
+    for name, kernels in (("torch", lstm_wave.TorchKernels()), ("cuda", lstm_wave.CudaKernels())):
+        hseq = [nans(rows + batch, hidden) for _ in layers]
+        for h in hseq:
+            h[:batch].zero_()
+        yseq = [nans(rows, hidden) for _ in layers]
         cstate = [torch.zeros(batch, hidden, device=dev) for _ in layers]
-        fac = [
-            torch.zeros(6, steps * batch, hidden, device=dev, dtype=torch.float16) for _ in layers
-        ]
-        kernels.forward(x, hseq, yseq, cstate, fac, bias, w, p, seed)
-        out[name] = dict(h=hseq, y=yseq, c=cstate, fac=fac)
+        fac = [nans(6, rows, hidden) for _ in layers]
+        kernels.forward(x, hseq, yseq, cstate, fac, bias, w_run, p, seed, x_gates, active)
+        # both backwards from the same factors
+        factors = fac if name == "torch" else out["torch"]["fac"]
+        dz = [nans(rows, 4 * hidden) for _ in layers]
+        dc = [torch.zeros(batch, hidden, device=dev) for _ in layers]
+        dbias = [nans(rows // 96, 4 * hidden, dtype=torch.float32) for _ in layers]
+        kernels.backward(kin, wt, dz, factors, dc, dbias, dy, p, seed, active)
+        out[name] = dict(h=hseq, y=yseq, c=cstate, fac=fac, dz=dz, dbias=dbias)
     torch.cuda.synchronize()
     return out
 
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("k_in,n_layers", [(256, 2), (2048, 3)], ids=["pre", "post"])
-def test_gpu_forward_buffers_match_the_torch_kernels(k_in, n_layers):
+@pytest.mark.parametrize(
+    "k_in,n_layers,longest",
+    [(256, 2, None), (2048, 3, None), (256, 2, 4), (2048, 3, 1)],
+    ids=["pre", "post-hoisted", "pre-padding", "post-padding"],
+)
+def test_gpu_buffers_match_the_torch_kernels(k_in, n_layers, longest):
     steps, batch, p = 6, 192, 0.1
     layers = random_stack(
         k_in, lstm_wave.HIDDEN, n_layers, dtype=torch.float32, device="cuda", scale=0.03, grad=False
     )
     seed = seed_tensor(77, "cuda")
-    out = cuda_buffers(steps, batch, k_in, n_layers, p, seed, layers)
-    for name in ("h", "y", "c", "fac"):
+    active = None if longest is None else torch.tensor([longest], dtype=torch.int32, device="cuda")
+    out = cuda_buffers(steps, batch, k_in, n_layers, p, seed, layers, active)
+    n = steps if longest is None else longest
+    for name in ("h", "y", "c", "fac", "dz", "dbias"):
         for got, want in zip(out["cuda"][name], out["torch"][name]):
+            if name == "fac":  # not written at the padding steps
+                got, want = got[:, : n * batch], want[:, : n * batch]
+            assert not got.isnan().any(), name
             err = (got.float() - want.float()).abs().max().item()
-            assert err < 4e-3, (name, err)
-    # dropout: exactly the hash masks (dropped where h is not zero)
+            scale = want.float().abs().max().item()
+            assert err < 4e-3 * max(1.0, scale), (name, err, scale)
     for layer in range(n_layers):
         h = out["cuda"]["h"][layer][batch:].view(steps, batch, -1)
         y = out["cuda"]["y"][layer].view(steps, batch, -1)
+        assert torch.equal(h[n:], torch.zeros_like(h[n:]))
+        assert torch.equal(y[n:], torch.zeros_like(y[n:]))
+        dz = out["cuda"]["dz"][layer].view(steps, batch, -1)
+        assert torch.equal(dz[n:], torch.zeros_like(dz[n:]))
+        # dropout: exactly the hash masks (dropped where h is not zero)
         mask = keep_mask(seed, layer, steps, batch, lstm_wave.HIDDEN, p)
         assert torch.equal((y == 0) & (h != 0), ~mask & (h != 0))
 
@@ -444,11 +505,14 @@ def test_gpu_forward_buffers_match_the_torch_kernels(k_in, n_layers):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(
-    "k_in,n_layers,batch",
-    [(256, 2, 192), (2048, 3, 192), (240, 2, 100)],
-    ids=["pre", "post", "padded"],
+    "k_in,n_layers,batch,longest",
+    [(256, 2, 192, 12), (2048, 3, 192, 12), (240, 2, 100, 12), (2048, 3, 192, 7)],
+    ids=["pre", "post", "padded", "padding-steps"],
 )
-def test_gpu_wave_stack_gradients_are_as_close_to_fp32_as_cudnn_fp16(k_in, n_layers, batch):
+def test_gpu_wave_stack_gradients_are_as_close_to_fp32_as_cudnn_fp16(
+    k_in, n_layers, batch, longest
+):
+    """Against the fp32 reference over the longest length (the steps after it are padding)."""
     steps, p = 12, 0.1
     layers = random_stack(
         k_in, lstm_wave.HIDDEN, n_layers, dtype=torch.float32, device="cuda", scale=0.03
@@ -457,13 +521,18 @@ def test_gpu_wave_stack_gradients_are_as_close_to_fp32_as_cudnn_fp16(k_in, n_lay
     dy = torch.randn(steps, batch, lstm_wave.HIDDEN, device="cuda") * 0.01
     seed = seed_tensor(5, "cuda")
     params = [x, *flat(layers)]
-    want = torch.autograd.grad(stack_reference(x, layers, p, seed), params, dy)
-    y = lstm_stack(x, layers, p, seed)
+    n = longest
+    want = torch.autograd.grad(stack_reference(x[:n], layers, p, seed), params, dy[:n])
+    lengths = torch.full((batch,), n, device="cuda") if n < steps else None
+    y = lstm_stack(x, layers, p, seed, lengths=lengths)
     got = torch.autograd.grad(y, params, dy)
+    assert torch.equal(y[n:], torch.zeros_like(y[n:]))
     # the yardstick: the same stack in fp16 (cuDNN-like rounding), against fp32
     half = [tuple(t.detach().half().requires_grad_(True) for t in w) for w in layers]
     x16 = x.detach().half().requires_grad_(True)
-    yard = torch.autograd.grad(stack_reference(x16, half, p, seed), [x16, *flat(half)], dy.half())
+    yard = torch.autograd.grad(
+        stack_reference(x16[:n], half, p, seed), [x16, *flat(half)], dy[:n].half()
+    )
     for g, w, h16 in zip(got, want, yard):
         err = ((g.float() - w).norm() / w.norm()).item()
         err16 = ((h16.float() - w).norm() / w.norm()).item()

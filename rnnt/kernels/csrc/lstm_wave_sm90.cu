@@ -8,6 +8,12 @@
 // dependent launch. A layer whose input is wider than the hidden size gets x W_ih^T from one GEMM
 // before the waves and runs W_hh alone.
 //
+// Active steps: where the caller passes a device count n (the batch's longest sequence inside a
+// longer CUDA-graph bucket), cells at t >= n skip their GEMM and cell and write only zeros where
+// later GEMMs read (h and dropout(h) forward; dz and the bias partials backward), and the backward
+// starts its recursion at n - 1: what a stack of n steps computes, at the cost of an empty launch
+// per padded step instead of a full one.
+//
 // Forward GEMM, per wave and layer: gates^T = W x [in(t), h(t - 1)]^T, tiled as cuBLAS tiles it
 // (128 W rows x 96 batch rows, K slices of 64); the cell runs in the epilogue, which writes h,
 // dropout(h) and six factor planes, so the backward needs neither the gates nor a c sequence:
@@ -97,6 +103,21 @@ __device__ __forceinline__ void allow_next_wave() {
 }
 __device__ __forceinline__ void wait_previous_wave() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+// The cells at t >= active_steps() are padding. The count is read before griddepcontrol.wait: it
+// was written before the stack's first wave, which launches without programmatic serialization.
+__device__ __forceinline__ int active_steps(const int* active, int T) {
+  if (!active) return T;
+  const int n = *active;
+  return n < 0 ? 0 : n > T ? T : n;
+}
+// zeros over `rows` rows of `bytes_per_row` bytes (a multiple of 16), `pitch` bytes apart
+__device__ __forceinline__ void zero_rows(void* base, long pitch, int rows, int bytes_per_row) {
+  const int per_row = bytes_per_row / 16;
+  for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x)
+    *reinterpret_cast<int4*>(static_cast<uint8_t*>(base) + (i / per_row) * pitch +
+                             (i % per_row) * 16) = make_int4(0, 0, 0, 0);
 }
 
 __device__ __forceinline__ void st_shared_f32(uint32_t a, float v) {
@@ -199,6 +220,8 @@ struct Params {  // 64-byte aligned through CUtensorMap
   CUtensorMap fac[MAX_LAYERS]; // [6, T*B, H] fp16 factors for the backward, box 32 x 96 (store)
   CUtensorMap xw[MAX_LAYERS];  // [T*B, 4H] fp16 x W_ih^T (permuted), box 64 x 96, if has_xw
   const float* bias[MAX_LAYERS];  // [4H] permuted
+  __half* h_out[MAX_LAYERS];      // hseq and yseq again, for a padded cell's zeros
+  __half* y_out[MAX_LAYERS];
   int kin_blocks[MAX_LAYERS];     // 0 where has_xw: the K loop runs over h alone
   int has_xw[MAX_LAYERS];
   int T, B;
@@ -206,6 +229,7 @@ struct Params {  // 64-byte aligned through CUtensorMap
   float keep_scale;
   uint32_t drop_threshold;  // 16-bit: drop when a key's half is below it
   const uint32_t* seed;     // on the device: drawn per call, so graph replays draw afresh
+  const int* active;        // null, or the active steps on the device (see the top)
 };
 
 template <int RING>
@@ -230,6 +254,18 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
   const int l = p.jobs.layer[job], t = p.jobs.t[job];
   const int k_blocks = p.kin_blocks[l] + HID / BK;
   const int row0 = nb * BN;  // first batch row
+  if (t >= active_steps(p.active, p.T)) {
+    // h(t) and dropout(h(t)) are read by the weight gradients' GEMMs (against zero dz rows) and
+    // by what follows the stack: zeros, not whatever the memory held. No other cell reads them.
+    allow_next_wave();
+    const long pitch = HID * 2, col = tile * 32 * 2;
+    zero_rows(reinterpret_cast<uint8_t*>(p.h_out[l]) + ((t + 1L) * p.B + row0) * pitch + col,
+              pitch, BN, 64);
+    zero_rows(reinterpret_cast<uint8_t*>(p.y_out[l]) + (static_cast<long>(t) * p.B + row0) * pitch +
+                  col, pitch, BN, 64);
+    wait_previous_wave();  // a wave ends after its predecessor: later waves rely on that order
+    return;
+  }
   const int warp_group = threadIdx.x / 128, tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -455,12 +491,14 @@ struct Params {  // 64-byte aligned through CUtensorMap
   CUtensorMap dc[MAX_LAYERS];   // [B, H] fp32 running dc, box 32 x 96
   CUtensorMap dy;               // [T*B, H] fp16: the top layer's output gradient, box 64 x 96
   float* dbias[MAX_LAYERS];     // [T * B / 96, 4H]: dz summed over each 96-row batch tile
+  __half* dz_out[MAX_LAYERS];   // dz again, for a padded cell's zeros
   int kin[MAX_LAYERS];
   int T, B, L;
   Jobs jobs;
   float keep_scale;
   uint32_t drop_threshold;  // 16-bit, as the forward's
   const uint32_t* seed;     // the forward's
+  const int* active;        // the forward's
 };
 
 template <int RING>
@@ -500,7 +538,23 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
     partner = rank == 1;
   }
   const int row0 = nb * BN;
-  const bool top = l == p.L - 1, last_step = t == p.T - 1;
+  const int steps = active_steps(p.active, p.T);
+  if (t >= steps) {
+    // dz(t) rows enter the weight and input gradients' GEMMs, the partial sums the bias
+    // gradient: zeros. The partner has nothing to write, and no CTA of the cluster touches the
+    // other's shared memory, so neither waits for the other.
+    allow_next_wave();
+    if (!partner) {
+      zero_rows(reinterpret_cast<uint8_t*>(p.dz_out[l]) +
+                    ((static_cast<long>(t) * p.B + row0) * 4 * HID + ut * 4 * BM) * 2,
+                4 * HID * 2, BN, 4 * BM * 2);
+      zero_rows(p.dbias[l] + static_cast<long>(t * nb_count + nb) * 4 * HID + ut * 4 * BM, 0, 1,
+                4 * BM * 4);
+    }
+    wait_previous_wave();  // a wave ends after its predecessor: later waves rely on that order
+    return;
+  }
+  const bool top = l == p.L - 1, last_step = t == steps - 1;
   // the main CTA's K: dz_l(t + 1) x W_hh,l (none at t = T - 1); the partner's: dz_{l+1}(t) x W_ih,{l+1}
   const int k_blocks = (partner || !last_step) ? 4 * HID / BK : 0;
   uint8_t* const epi = ring + epilogue_offset(RING, k_blocks);
@@ -859,11 +913,13 @@ extern "C" {
 //   factors[l][6, T*B, H]: what the backward reads
 //   bias[l]   [4H] fp32, w[l] [4H, kin[l] + H]: b_ih + b_hh and [W_ih | W_hh], rows permuted
 //             (rnnt/kernels/lstm_wave.py: gate_permutation)
-// seed: one uint32 on the device. Returns 0 or a code that wave_lstm_error describes.
+// seed: one uint32 on the device. active: null, or one int32 on the device, n: the steps t >= n
+// are padding (their h and yseq rows come out zero; cstate ends at c(n - 1); their factors are not
+// written). Returns 0 or a code that wave_lstm_error describes.
 int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void* const* x_in,
                       void* const* xw, void* const* hseq, void* const* yseq, void* const* cstate,
                       void* const* factors, void* const* bias, void* const* w, float p_drop,
-                      const void* seed, int variant, void* stream) {
+                      const void* seed, const void* active, int variant, void* stream) {
   if (variant < 0 || variant >= kFwdCount) return kBadVariant;
   const FwdVariant& v = kFwdVariants[variant];
   if (layers < 1 || layers > fwd::MAX_LAYERS || T < 1 || B < fwd::BN || B % fwd::BN ||
@@ -893,6 +949,8 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
                          SW64);
     if (r) return r;
     p.bias[l] = static_cast<const float*>(bias[l]);
+    p.h_out[l] = static_cast<__half*>(hseq[l]);
+    p.y_out[l] = static_cast<__half*>(yseq[l]);
     p.kin_blocks[l] = kin[l] / fwd::BK;
     p.has_xw[l] = xw[l] != nullptr;
   }
@@ -901,6 +959,7 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
   p.keep_scale = 1.f / (1.f - p_drop);
   p.drop_threshold = drop_threshold(p_drop);
   p.seed = static_cast<const uint32_t*>(seed);
+  p.active = static_cast<const int*>(active);
   const int smem = fwd::smem_bytes(v.ring);
   static bool smem_done[kFwdCount][kMaxDevices] = {};
   int r = allow_smem(device, v.kernel, smem, smem_done[variant]);
@@ -927,11 +986,14 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
 //   dc[l] [B, H] fp32 (scratch)
 //   dbias[l] [T * B / 96, 4H] fp32 (written): dz[l] summed over each 96-row batch tile, in dz's
 //             columns; the bias gradient is its column sum
-// dy_top [T*B, H] fp16: the gradient of the last layer's yseq. The weight gradients, the bias
-// gradients and the input's gradient are GEMMs over dz afterwards (lstm_wave.py).
+// dy_top [T*B, H] fp16: the gradient of the last layer's yseq; rows at t >= *active are not read
+// (active: the forward's) and dz's rows and the partial sums there come out zero. The weight
+// gradients, the bias gradients and the input's gradient are GEMMs over dz afterwards
+// (lstm_wave.py).
 int wave_lstm_backward(int device, int layers, int T, int B, const int* kin, void* const* wt,
                        void* const* dz, void* const* fac, void* const* dc, void* const* dbias,
-                       void* dy_top, float p_drop, const void* seed, int variant, void* stream) {
+                       void* dy_top, float p_drop, const void* seed, const void* active,
+                       int variant, void* stream) {
   if (variant < 0 || variant >= kBwdCount) return kBadVariant;
   const BwdVariant& v = kBwdVariants[variant];
   if (layers < 1 || layers > bwd::MAX_LAYERS || T < 1 || B < 2 * bwd::BN || B % (2 * bwd::BN) ||
@@ -953,6 +1015,7 @@ int wave_lstm_backward(int device, int layers, int T, int B, const int* kin, voi
     if (r) return r;
     p.kin[l] = kin[l];
     p.dbias[l] = static_cast<float*>(dbias[l]);
+    p.dz_out[l] = static_cast<__half*>(dz[l]);
   }
   int r = encode_checked(&p.dy, dy_top, rows, HID, false, 64, bwd::BN, SW128);
   if (r) return r;
@@ -962,6 +1025,7 @@ int wave_lstm_backward(int device, int layers, int T, int B, const int* kin, voi
   p.keep_scale = 1.f / (1.f - p_drop);
   p.drop_threshold = drop_threshold(p_drop);
   p.seed = static_cast<const uint32_t*>(seed);
+  p.active = static_cast<const int*>(active);
   const int smem = bwd::smem_bytes(v.ring);
   static bool smem_done[kBwdCount][kMaxDevices] = {};
   r = allow_smem(device, v.kernel, smem, smem_done[variant]);
