@@ -26,6 +26,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rnnt.kernels import lstm_wave  # noqa: E402
+from rnnt.model import lstm_layer_weights  # noqa: E402
 
 STACKS = {"pre": (256, 2, 490), "post": (2048, 3, 245)}  # inputs, layers, frames
 
@@ -60,13 +61,7 @@ def bench_stack(name: str, batch: int, p: float, repeats: int) -> list[dict]:
     torch.manual_seed(0)
     lstm = nn.LSTM(k_in, hidden, n_layers, dropout=p).cuda().half()
     out_dropout = nn.Dropout(p)
-    layers = [
-        tuple(
-            getattr(lstm, f"{kind}_l{i}")
-            for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
-        )
-        for i in range(n_layers)
-    ]
+    layers = lstm_layer_weights(lstm)
     # the post-RNN stack's input is the pre-RNN stack's output: it needs its gradient too
     x = torch.randn(
         frames, batch, k_in, device="cuda", dtype=torch.float16, requires_grad=name == "post"

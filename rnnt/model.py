@@ -64,6 +64,17 @@ def _wave_runs_on(device: torch.device, hidden: int, n_layers: int) -> bool:
     return reason is None
 
 
+def lstm_layer_weights(lstm: nn.LSTM) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer of `lstm`, its (w_ih, w_hh, b_ih, b_hh): the parameters themselves."""
+    return [
+        tuple(
+            getattr(lstm, f"{kind}_l{i}")
+            for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+        )
+        for i in range(lstm.num_layers)
+    ]
+
+
 class StackedLSTM(nn.Module):
     """`num_layers` LSTM layers with dropout between layers and on the output.
 
@@ -124,17 +135,7 @@ class StackedLSTM(nn.Module):
 
     def layer_weights(self) -> list[tuple[torch.Tensor, ...]]:
         """Per layer (w_ih, w_hh, b_ih, b_hh), the nn.LSTM parameters themselves."""
-        if self.decoupled:
-            names = [(lstm, 0) for lstm in self.layers]
-        else:
-            names = [(self.layers[0], i) for i in range(self.num_layers)]
-        return [
-            tuple(
-                getattr(lstm, f"{kind}_l{i}")
-                for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
-            )
-            for lstm, i in names
-        ]
+        return [weights for lstm in self.layers for weights in lstm_layer_weights(lstm)]
 
     def forward(
         self,

@@ -524,6 +524,11 @@ def lstm_stack(
         flat += [w_ih, w_hh, b_ih, b_hh]
     active = None
     if lengths is not None:
+        if lengths.shape != (batch,):
+            raise ValueError(
+                f"lstm_stack: lengths must be one per batch row, shape ({batch},), not "
+                f"{tuple(lengths.shape)}"
+            )
         active = lengths.to(x.device).amax().clamp(0, steps).to(torch.int32).reshape(1)
     y = _WaveStack.apply(kernels, p, seed, active, x, *flat)
     return y[:, :batch] if pad_b else y

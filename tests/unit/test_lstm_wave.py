@@ -216,6 +216,12 @@ def test_steps_past_the_longest_length_are_skipped_with_zero_outputs(k_in, hidde
     assert torch.equal(full, lstm_stack(x, layers, p, seed))
 
 
+def test_lengths_that_are_not_one_per_batch_row_are_refused():
+    layers = random_stack(12, 32, 1)
+    with pytest.raises(ValueError, match=r"one per batch row, shape \(5,\), not \(4,\)"):
+        lstm_stack(torch.randn(3, 5, 12, dtype=F64), layers, 0.0, lengths=torch.ones(4))
+
+
 def test_the_saved_factors_in_fp16_keep_gradients_within_fp16_error():
     """The kernels save the six factors in fp16: the same maths with fp16 buffers stays within
     about 1e-3 of float64."""

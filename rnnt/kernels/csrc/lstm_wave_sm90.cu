@@ -178,17 +178,6 @@ __device__ __forceinline__ void mbar_arrive_remote_release(uint64_t* bar, uint32
                "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(r)
                : "memory");
 }
-__device__ __forceinline__ void mbar_wait_acquire_cluster(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; "
-        "selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-}
 }  // namespace wave
 
 
@@ -660,7 +649,7 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
     } else {
       mbar_wait(ebar, 0);
       {
-        if (!top) mbar_wait_acquire_cluster(pbar, 0);
+        if (!top) mbar_wait<true>(pbar, 0);
         const uint32_t e = smem_u32(epi), part = smem_u32(part_area);
         const uint32_t step = step_seed(*p.seed, l, t);
         const int mi = lane >> 3, c8 = lane & 7;
