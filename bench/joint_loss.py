@@ -42,7 +42,7 @@ DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 FIXED_SHAPES = {"192x204x44": (192, 204, 44), "192x279x125": (192, 279, 125),
                 "32x279x125": (32, 279, 125)}  # fmt: skip
 RAGGED = "librispeech_ragged_192"
-LENGTHS_TSV = ROOT.parent / "shared" / "data" / "librispeech_train-clean-5_lengths.tsv"
+LENGTHS_TSV = ROOT / "rnnt" / "data" / "lengths" / "librispeech_train-clean-5_lengths.tsv"
 
 
 def ragged_lengths(tsv: Path, batch: int, seed: int) -> list[tuple[int, int]]:

@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--lengths-tsv",
-        default=str(ROOT.parent / "shared/data/librispeech_train-clean-5_lengths.tsv"),
+        default=str(ROOT / "rnnt/data/lengths/librispeech_train-clean-5_lengths.tsv"),
     )
     parser.add_argument(
         "--tokenizer-vocab",

@@ -18,6 +18,9 @@ from typing import Any
 import yaml
 
 
+LENGTHS_DIR = Path(__file__).resolve().parent / "data" / "lengths"
+
+
 class ConfigError(ValueError):
     """A configuration problem, with a message that names the key and its source."""
 
@@ -99,9 +102,10 @@ class DataConfig:
     device: str = "gpu"  # feature stage: cpu | gpu
     resampling_device: str = "cpu"  # cpu | gpu
     num_threads: int = 4
-    # synthetic backend: utterance lengths sampled from real LibriSpeech length tables
-    synthetic_train_lengths: str = "../shared/data/librispeech_train-clean-5_lengths.tsv"
-    synthetic_val_lengths: str = "../shared/data/librispeech_dev-clean_lengths.tsv"
+    # synthetic backend: utterance lengths sampled from real LibriSpeech length tables (the
+    # defaults ship in rnnt/data/lengths)
+    synthetic_train_lengths: str = str(LENGTHS_DIR / "librispeech_train-clean-5_lengths.tsv")
+    synthetic_val_lengths: str = str(LENGTHS_DIR / "librispeech_dev-clean_lengths.tsv")
 
 
 @dataclass

@@ -31,9 +31,8 @@ def repo_root() -> Path:
 
 
 @pytest.fixture
-def shared_data() -> Path:
-    """../shared/data beside the checkout, or $RNNT_SHARED_DATA (real LibriSpeech lengths)."""
-    path = Path(os.environ.get("RNNT_SHARED_DATA", ROOT.parent / "shared" / "data"))
-    if not path.is_dir():
-        pytest.skip("../shared/data is not beside this checkout")
-    return path
+def lengths_dir() -> Path:
+    """The LibriSpeech utterance-length tables shipped with the package."""
+    from rnnt.config import LENGTHS_DIR
+
+    return LENGTHS_DIR

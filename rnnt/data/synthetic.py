@@ -2,7 +2,7 @@
 
 The features are noise (standard normal, like per-feature normalized log-mels); only the
 shapes are real. Utterances come from a lengths table of real LibriSpeech utterances
-(`../shared/data/librispeech_<split>_lengths.tsv`: id, duration in seconds, transcript):
+(`rnnt/data/lengths/librispeech_<split>_lengths.tsv`: id, duration in seconds, transcript):
 
 - frames: a clip of d seconds has n = round(d * sample_rate) samples; training speed
   perturbation by rate s (uniform in [speed_perturbation_min, max] per utterance) resamples

@@ -208,7 +208,7 @@ def test_two_processes_under_torchrun_share_one_log_and_one_eval(corpus, tmp_pat
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("loss_backend", ["reference", "fused", "apex"])
-def test_training_step_never_syncs_with_the_host(tmp_path, shared_data, loss_backend):
+def test_training_step_never_syncs_with_the_host(tmp_path, lengths_dir, loss_backend):
     """Trainer.train_step on the GPU (fp16, GradScaler, LAMB, EMA, skip counters) under
     sync-debug "error": any host-device synchronization inside the step raises. The fused
     and apex losses get the batch's host lengths (packed lattice) and must not read the
@@ -225,8 +225,8 @@ def test_training_step_never_syncs_with_the_host(tmp_path, shared_data, loss_bac
             "model.n_classes=1024", "data.max_duration=4.0", "training.batch_size=8",
             "training.precision=fp16", f"training.output_dir={tmp_path}",
             f"loss.backend={loss_backend}",
-            f"data.synthetic_train_lengths={shared_data / 'librispeech_train-clean-5_lengths.tsv'}",
-            f"data.synthetic_val_lengths={shared_data / 'librispeech_dev-clean_lengths.tsv'}",
+            f"data.synthetic_train_lengths={lengths_dir / 'librispeech_train-clean-5_lengths.tsv'}",
+            f"data.synthetic_val_lengths={lengths_dir / 'librispeech_dev-clean_lengths.tsv'}",
         ],
     )  # fmt: skip
     trainer = Trainer(cfg, init_distributed("cuda"))

@@ -230,7 +230,7 @@ def test_cuda_graphs_see_weights_copied_in_place():
     assert decoder._graph is graph  # no re-capture
 
 
-def test_decode_benchmark_cpu_smoke(repo_root, shared_data, tmp_path):
+def test_decode_benchmark_cpu_smoke(repo_root, lengths_dir, tmp_path):
     import json
     import runpy
 
@@ -239,7 +239,7 @@ def test_decode_benchmark_cpu_smoke(repo_root, shared_data, tmp_path):
     argv = [str(repo_root / "configs" / "tiny.yaml"), "--device", "cpu", "--limit", "6"]
     argv += ["--batch-sizes", "4", "--repeats", "1", "--reference-sample", "2"]
     argv += ["--train-steps", "5", "--json", str(out)]
-    argv += ["--lengths", str(shared_data / "librispeech_dev-clean_lengths.tsv")]
+    argv += ["--lengths", str(lengths_dir / "librispeech_dev-clean_lengths.tsv")]
     assert bench["main"](argv) == 0
     result = json.loads(out.read_text())
     assert result["utterances"] == 6 and result["modes_identical"] == {"4": True}

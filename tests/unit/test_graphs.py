@@ -371,7 +371,7 @@ def test_training_step_has_no_host_sync(repo_root):
 # ------------------------------------------------------------------------------ bench
 
 
-def test_bench_train_step_runs_on_cpu(repo_root, shared_data, tmp_path):
+def test_bench_train_step_runs_on_cpu(repo_root, lengths_dir, tmp_path):
     out = tmp_path / "bench.json"
     cmd = [
         sys.executable, "bench/train_step.py", "--device", "cpu", "--config", "configs/tiny.yaml",

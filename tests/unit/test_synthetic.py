@@ -41,10 +41,10 @@ def small_tokenizer(tmp_path):
 
 
 @pytest.fixture
-def real_tokenizer(shared_data, tmp_path_factory):
+def real_tokenizer(lengths_dir, tmp_path_factory):
     # one training per test session: later calls find the cached model
     cache = tmp_path_factory.getbasetemp() / "synthetic_tokenizer"
-    return tokenizer_for_lengths_table(shared_data / TRAIN_TSV, 1023, cache)
+    return tokenizer_for_lengths_table(lengths_dir / TRAIN_TSV, 1023, cache)
 
 
 def test_read_table_skips_comments_and_normalizes(tmp_path):
@@ -82,28 +82,28 @@ def test_read_table_empty_or_missing(tmp_path):
         read_lengths_table(tmp_path / "missing.tsv")
 
 
-def test_real_tables_have_the_documented_statistics(shared_data):
-    train = read_lengths_table(shared_data / TRAIN_TSV)
-    dev = read_lengths_table(shared_data / DEV_TSV)
+def test_real_tables_have_the_documented_statistics(lengths_dir):
+    train = read_lengths_table(lengths_dir / TRAIN_TSV)
+    dev = read_lengths_table(lengths_dir / DEV_TSV)
     assert len(train) == 1519 and len(dev) == 2703
     assert train.durations.mean() == pytest.approx(12.6, abs=0.05)
     assert (train.durations <= 16.7).mean() == pytest.approx(0.994, abs=0.001)
     assert dev.durations.max() == pytest.approx(32.7, abs=0.1)
 
 
-def test_tokenizer_for_table_is_cached_and_covers_dev(shared_data, real_tokenizer, tmp_path):
+def test_tokenizer_for_table_is_cached_and_covers_dev(lengths_dir, real_tokenizer, tmp_path):
     assert real_tokenizer.vocab_size == 1023
-    again = tokenizer_for_lengths_table(shared_data / TRAIN_TSV, 1023, real_tokenizer.path.parent)
+    again = tokenizer_for_lengths_table(lengths_dir / TRAIN_TSV, 1023, real_tokenizer.path.parent)
     assert again.path == real_tokenizer.path
     assert [p.name for p in real_tokenizer.path.parent.iterdir()] == [real_tokenizer.path.name]
     # an edited table is a different cache entry
     edited = tmp_path / TRAIN_TSV
-    edited.write_text((shared_data / TRAIN_TSV).read_text() + "x-1\t1.0\tONE MORE LINE\n")
+    edited.write_text((lengths_dir / TRAIN_TSV).read_text() + "x-1\t1.0\tONE MORE LINE\n")
     other = tokenizer_for_lengths_table(edited, 1023, real_tokenizer.path.parent)
     assert other.path != real_tokenizer.path
     other.path.unlink()
     # the training-set tokenizer encodes every dev-clean transcript (no <unk>)
-    dev = read_lengths_table(shared_data / DEV_TSV)
+    dev = read_lengths_table(lengths_dir / DEV_TSV)
     lens = [len(real_tokenizer.encode(t, u)) for t, u in zip(dev.transcripts, dev.utt_ids)]
     assert min(lens) >= 1
 
@@ -121,11 +121,11 @@ def _stft_frames(duration: float, speed: float = 1.0) -> int:
     ).shape[-1]
 
 
-def test_train_batches_have_real_shapes(shared_data, real_tokenizer):
-    table = read_lengths_table(shared_data / TRAIN_TSV)
+def test_train_batches_have_real_shapes(lengths_dir, real_tokenizer):
+    table = read_lengths_table(lengths_dir / TRAIN_TSV)
     duration = dict(zip(table.utt_ids, table.durations.tolist()))
     source = SyntheticFeatureSource(
-        shared_data / TRAIN_TSV,
+        lengths_dir / TRAIN_TSV,
         6,
         real_tokenizer,
         FeaturesConfig(),
@@ -155,11 +155,11 @@ def test_train_batches_have_real_shapes(shared_data, real_tokenizer):
     assert np.std(ratios) > 0.03  # the rates really vary
 
 
-def test_eval_pass_covers_dev_clean_once_with_exact_frames(shared_data, real_tokenizer):
-    table = read_lengths_table(shared_data / DEV_TSV)
+def test_eval_pass_covers_dev_clean_once_with_exact_frames(lengths_dir, real_tokenizer):
+    table = read_lengths_table(lengths_dir / DEV_TSV)
     features = FeaturesConfig(n_mels=1)  # shapes are what is tested; keep the noise small
     source = SyntheticFeatureSource(
-        shared_data / DEV_TSV, 512, real_tokenizer, features, train=False
+        lengths_dir / DEV_TSV, 512, real_tokenizer, features, train=False
     )
     seen = {}
     for batch in source:
