@@ -35,9 +35,13 @@ class FeatureBatch:
     host_lens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> FeatureBatch:
+        """The batch on `device`. Copies to a GPU are asynchronous (non_blocking); copies to
+        the host are not: a non-blocking device-to-host copy returns before the data has
+        arrived, and whoever reads it next would read whatever the memory held."""
         host_lens = self.host_lens
         if self.feat_lens.device.type == "cpu" and self.token_lens.device.type == "cpu":
             host_lens = (self.feat_lens, self.token_lens)
+        non_blocking = non_blocking and torch.device(device).type != "cpu"
         return FeatureBatch(
             self.feats.to(device, non_blocking=non_blocking),
             self.feat_lens.to(device, non_blocking=non_blocking),
