@@ -156,3 +156,43 @@ def test_cuda_rng_restore():
     torch.rand(4, device="cuda")
     restore_rng_state(state)
     assert torch.rand(4, device="cuda").tolist() == first
+
+
+def test_a_background_save_holds_the_state_of_the_call(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=5)
+    weights = torch.zeros(1000, 100)
+    path = mgr.save({"w": weights, "nested": [weights[0]]}, epoch=1, step=1, wer=0.5,
+                    background=True)  # fmt: skip
+    weights.fill_(7.0)  # training goes on while the file is written
+    mgr.wait()
+    state, loaded = mgr.load_latest()
+    assert loaded == path and not state["w"].any() and not state["nested"][0].any()
+    assert json.loads(path.with_suffix(".json").read_text())["wer"] == 0.5
+    second = mgr.save({"w": weights}, epoch=1, step=2, wer=None, background=True)
+    third = mgr.save({"w": weights * 2}, epoch=1, step=3, wer=None, background=True)
+    mgr.wait()  # one write at a time: the third waited for the second
+    assert second.is_file() and third.is_file()
+    assert float(mgr.load_latest()[0]["w"][0, 0]) == 14.0
+
+
+def test_a_failed_background_save_is_reported_at_the_next_wait(tmp_path):
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("a file where the checkpoint folder should be")
+    mgr = CheckpointManager(blocker)
+    mgr.save({"w": torch.ones(3)}, epoch=1, step=1, wer=None, background=True)
+    with pytest.raises(CheckpointError, match="not_a_directory"):
+        mgr.wait()
+    mgr.wait()  # reported once
+
+
+@pytest.mark.gpu
+def test_a_background_save_of_gpu_tensors_holds_the_state_of_the_call(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    weights = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    expected = weights.cpu()
+    mgr.save({"w": weights, "half": weights.half()}, epoch=1, step=1, wer=None, background=True)
+    weights.mul_(-1.0)  # queued right after the call returns
+    mgr.wait()
+    state, _ = mgr.load_latest()
+    assert torch.equal(state["w"], expected) and state["w"].device.type == "cpu"
+    assert torch.equal(state["half"], expected.half())
