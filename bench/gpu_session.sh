@@ -10,14 +10,15 @@
 #   bash bench/gpu_session.sh lstm        # bench/encoder_lstm.py: cuDNN vs the wave kernels per stack
 #   bash bench/gpu_session.sh decode      # bench/decode.py, all decoder modes
 #   bash bench/gpu_session.sh train       # train.py on synthetic batches: fp16, graphs, cg eval
+#   bash bench/gpu_session.sh truth       # train.py's logged utt/s against its own timestamps at
+#                                         # log frequencies 1 and 10, bench/train_step.py beside it
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | loss | step | lstm | decode | train}
+phase=${1:?phase: tests | loss | step | lstm | decode | train | truth}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
-DATA=${DATA:-.carry/data}     # copies of ../shared/data (LibriSpeech utterance lengths)
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 RNNT_SHARED_DATA="$DATA"
+export PYTHONUNBUFFERED=1
 if [ -d "$WHEELS" ] && ! python3 -c "import librosa, mlperf_logging" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$WHEELS"/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -28,34 +29,41 @@ case "$phase" in
   tests)
     python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" ;;
   loss)
-    python3 bench/joint_loss.py --lengths "$DATA/librispeech_train-clean-5_lengths.tsv" \
-      --json "$OUT/joint_loss.json" 2>&1 | tee "$OUT/joint_loss.log" ;;
+    python3 bench/joint_loss.py --json "$OUT/joint_loss.json" 2>&1 | tee "$OUT/joint_loss.log" ;;
   step)
-    for backend in ${LOSS_BACKENDS:-fused}; do  # torchaudio faults on long ragged batches
-      python3 bench/train_step.py --batch-sizes 16 64 192 --num-cg 0 4 --steps 20 \
-        --loss-backend "$backend" --lengths-tsv "$DATA/librispeech_train-clean-5_lengths.tsv" \
-        --json "$OUT/train_step_$backend.json" 2>&1 | tee "$OUT/train_step_$backend.log"
-    done
     # the config's encoder_lstm is auto (the wave kernels at batch 192 on Hopper): cuDNN beside it
+    python3 bench/train_step.py --batch-sizes 16 64 192 --num-cg 0 4 --steps 20 \
+      --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log"
     if [ -n "${CUDNN:-1}" ]; then
-      python3 bench/train_step.py --batch-sizes 192 --num-cg 4 --steps 20 --loss-backend fused \
-        --set model.encoder_lstm=cudnn --lengths-tsv "$DATA/librispeech_train-clean-5_lengths.tsv" \
-        --json "$OUT/train_step_cudnn.json" 2>&1 | tee "$OUT/train_step_cudnn.log"
+      python3 bench/train_step.py --batch-sizes 192 --num-cg 4 --steps 20 \
+        --set model.encoder_lstm=cudnn --json "$OUT/train_step_cudnn.json" 2>&1 \
+        | tee "$OUT/train_step_cudnn.log"
     fi ;;
   lstm)
     python3 bench/encoder_lstm.py --json "$OUT/encoder_lstm.json" 2>&1 | tee "$OUT/encoder_lstm.log" ;;
   decode)
-    python3 bench/decode.py configs/baseline_v3-1023sp.yaml \
-      --lengths "$DATA/librispeech_dev-clean_lengths.tsv" --batch-sizes 32 338 \
+    python3 bench/decode.py configs/baseline_v3-1023sp.yaml --batch-sizes 32 338 \
       --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
   train)
     python3 train.py configs/baseline_v3-1023sp.yaml --num_cg 4 \
       --set data.backend=synthetic --set data.tokenizer= --set loss.backend=fused \
       --set eval.mode=cg_unroll_pipeline \
-      --set data.synthetic_train_lengths="$DATA/librispeech_train-clean-5_lengths.tsv" \
-      --set data.synthetic_val_lengths="$DATA/librispeech_dev-clean_lengths.tsv" \
       --set training.epochs=2 --set training.log_frequency=1 --set training.output_dir=/tmp/rnnt_train \
       2>&1 | tee "$OUT/train.log"
     cp /tmp/rnnt_train/mlperf.log /tmp/rnnt_train/metrics.jsonl "$OUT/" ;;  # checkpoints stay there
+  truth)
+    steps=${STEPS:-100}
+    for freq in 1 10; do
+      python3 train.py configs/baseline_v3-1023sp.yaml --num_cg 4 \
+        --set data.backend=synthetic --set data.tokenizer= --set eval.mode=cg_unroll_pipeline \
+        --set data.synthetic_steps_per_epoch="$steps" --set training.epochs=2 \
+        --set training.log_frequency="$freq" --set training.output_dir="/tmp/rnnt_log$freq" \
+        2>&1 | tee "$OUT/train_log$freq.log"
+      cp "/tmp/rnnt_log$freq/metrics.jsonl" "$OUT/metrics_log$freq.jsonl"
+      python3 bench/log_truth.py "/tmp/rnnt_log$freq/metrics.jsonl" --batch 192 \
+        2>&1 | tee "$OUT/log_truth$freq.txt"
+    done
+    python3 bench/train_step.py --batch-sizes 192 --num-cg 4 --steps 50 --checkpoint-cost \
+      --json "$OUT/train_step_truth.json" 2>&1 | tee "$OUT/train_step_truth.log" ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -17,7 +17,6 @@ from typing import Any
 
 import yaml
 
-
 LENGTHS_DIR = Path(__file__).resolve().parent / "data" / "lengths"
 
 
@@ -106,6 +105,9 @@ class DataConfig:
     # defaults ship in rnnt/data/lengths)
     synthetic_train_lengths: str = str(LENGTHS_DIR / "librispeech_train-clean-5_lengths.tsv")
     synthetic_val_lengths: str = str(LENGTHS_DIR / "librispeech_dev-clean_lengths.tsv")
+    # batches per epoch of the synthetic backend (0: one pass over the lengths table); the
+    # shipped training table fills only 7 batches of 192
+    synthetic_steps_per_epoch: int = 0
 
 
 @dataclass
@@ -143,9 +145,14 @@ class TrainingConfig:
     output_dir: str = "results"
     log_frequency: int = 10
     keep_last_checkpoints: int = 2
+    # checkpoints inside the run, written in the background (0: none); the final state is
+    # always saved after the run ends
     save_every_epochs: int = 1
     checkpoint_every_steps: int = 0  # also save mid-epoch (0 = only at epoch ends)
     max_consecutive_nonfinite: int = 100
+    # the dense fp16 matrix peak that the logged MFU is relative to; 0: the datasheet value of
+    # a known GPU (rnnt/flops.py), none on the CPU
+    peak_tflops: float = 0.0
     deterministic: bool = False
 
 

@@ -69,6 +69,12 @@ def all_reduce_mean_(tensors: list[torch.Tensor], ctx: DistContext) -> None:
             offset += n
 
 
+def all_reduce_max_(value: torch.Tensor, ctx: DistContext) -> None:
+    """Replace `value` (on the rank's device) by its maximum over ranks, in place."""
+    if ctx.enabled:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+
+
 def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     if ctx.enabled:
         values = values.clone()

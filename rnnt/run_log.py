@@ -4,10 +4,14 @@ Every `step` / `eval` call prints one line and appends one JSON object to
 `OUTPUT_DIR/metrics.jsonl` (appending, so a resumed run continues the same file):
 
     {"kind": "train", "time": 1714000000.1, "step": 120, "epoch": 2, "loss": 48.2, "lr": 0.0031,
-     "utts_per_s": 1520.4, "loss_scale": 512.0, "skipped_steps": 0}
+     "utts_per_s": 1520.4, "step_ms": 126.3, "window_steps": 10, "data_wait_share": 0.01,
+     "peak_memory_gib": 61.2, "mfu": 0.212, "loss_scale": 512.0, "skipped_steps": 0}
     {"kind": "eval", "time": ..., "epoch": 2, "step": 542, "wer": 0.284, "utterances": 2703,
      "seconds": 1.9}
 
+`utts_per_s` and `step_ms` cover the window since the previous log point, measured to the
+moment the device finished it (rnnt.throughput); `peak_memory_gib` and `mfu` are absent where
+they do not apply (CPU, a GPU without a known peak).
 Non-finite numbers are written as the strings "nan", "inf", "-inf" (JSON has no such numbers).
 `scripts/plot_metrics.py` draws the file.
 """
@@ -20,8 +24,12 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from rnnt.throughput import WindowStats
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -55,12 +63,14 @@ class RunLog:
         self.close()
 
     def _print(self, text: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+        # through tqdm, so that a progress bar on the terminal is redrawn below the line
+        tqdm.write(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stdout)
+        sys.stdout.flush()
 
     def _record(self, kind: str, fields: dict) -> None:
         if self._file is None:
             return
-        record = {"kind": kind, "time": round(time.time(), 3)}
+        record = {"kind": kind, "time": round(time.time(), 4)}
         record.update({k: _json_value(v) for k, v in fields.items()})
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
@@ -75,26 +85,35 @@ class RunLog:
         epoch: int,
         loss: float,
         lr: float,
-        utts_per_s: float,
         loss_scale: float,
         skipped_steps: int,
+        window: WindowStats,
     ) -> None:
-        """One training log point: mean loss of the last step, its LR, throughput since the
-        previous log point, the GradScaler scale and the total of skipped (non-finite) steps."""
+        """One training log point: the mean loss of the last step, its LR, the loss scale,
+        the total of skipped (non-finite) steps, and the throughput window since the previous
+        log point (rnnt.throughput)."""
         if not self.is_main:
             return
-        self._print(
-            f"epoch {epoch} step {step} | loss {loss:.4f} | lr {lr:.3e} | "
-            f"{utts_per_s:.1f} utt/s | loss scale {loss_scale:g} | skipped steps {skipped_steps}"
-        )
-        self._record(
-            "train",
-            dict(
-                step=step, epoch=epoch, loss=float(loss), lr=float(lr),
-                utts_per_s=float(utts_per_s), loss_scale=float(loss_scale),
-                skipped_steps=int(skipped_steps),
-            ),
+        parts = [
+            f"epoch {epoch} step {step}",
+            f"loss {loss:.4f}",
+            f"lr {lr:.3e}",
+            f"{window.utts_per_s:.1f} utt/s ({window.step_ms:.1f} ms/step)",
+            f"data wait {window.data_wait_share:.1%}",
+        ]
+        if window.peak_memory_gib is not None:
+            parts.append(f"peak mem {window.peak_memory_gib:.1f} GiB")
+        if window.mfu is not None:
+            parts.append(f"MFU {window.mfu:.1%}")
+        parts += [f"loss scale {loss_scale:g}", f"skipped steps {skipped_steps}"]
+        self._print(" | ".join(parts))
+        fields = dict(
+            step=step, epoch=epoch, loss=float(loss), lr=float(lr),
+            utts_per_s=window.utts_per_s, step_ms=window.step_ms, window_steps=window.steps,
+            data_wait_share=window.data_wait_share, peak_memory_gib=window.peak_memory_gib,
+            mfu=window.mfu, loss_scale=float(loss_scale), skipped_steps=int(skipped_steps),
         )  # fmt: skip
+        self._record("train", {k: v for k, v in fields.items() if v is not None})
 
     def eval(self, epoch: int, step: int, wer: float, utterances: int, seconds: float) -> None:
         """One dev evaluation: WER (a fraction) over `utterances`, taking `seconds`."""
@@ -113,8 +132,9 @@ class RunLog:
         )  # fmt: skip
 
     def progress(self, iterable: Iterable, total: int | None = None, desc: str = ""):
-        """A tqdm bar over `iterable`, shown only on the main rank and an interactive stderr
-        (never in batch logs, where it would only add carriage-return noise)."""
+        """A tqdm bar with its ETA over `iterable`, shown only on the main rank and an
+        interactive stderr (never in batch logs, where it would only add carriage-return
+        noise: those get the plain log lines alone)."""
         return tqdm(
             iterable, total=total, desc=desc, leave=False, dynamic_ncols=True,
             disable=not (self.is_main and sys.stderr.isatty()),

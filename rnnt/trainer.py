@@ -2,7 +2,8 @@
 
 `Trainer(cfg, ctx).fit()` trains until the dev WER reaches `training.target_wer` or the epochs
 run out. The step is sync-free: losses stay on the device and are read only at logging points,
-skipped (non-finite) steps are counted on the device and checked at the same points.
+skipped (non-finite) steps are counted on the device and checked at the same points. The log
+points are the loop's only host syncs; each closes a throughput window (rnnt.throughput).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from rnnt.data.manifest import Utterance, read_manifest
 from rnnt.data.sampler import BucketingSampler
 from rnnt.data.synthetic import SyntheticFeatureSource, tokenizer_for_lengths_table
 from rnnt.data.tokenizer import Tokenizer
-from rnnt.distributed import DistContext, all_reduce_mean_
+from rnnt.distributed import DistContext, all_reduce_max_, all_reduce_mean_
 from rnnt.evaluation import (
     DTYPES,
     EvalResult,
@@ -32,13 +33,16 @@ from rnnt.evaluation import (
     detokenizer,
     evaluate,
 )
+from rnnt.flops import peak_flops, step_flops
 from rnnt.loss import TransducerLoss
 from rnnt.mlperf import MLPerfLogger
 from rnnt.model import RNNT
 from rnnt.optim.ema import EMA
 from rnnt.optim.lamb import Lamb
+from rnnt.optim.loss_scaler import DynamicLossScaler
 from rnnt.optim.schedule import lr_at
 from rnnt.run_log import RunLog
+from rnnt.throughput import StepParts, ThroughputWindow
 
 
 class NonFiniteLossError(RuntimeError):
@@ -146,6 +150,7 @@ class Trainer:
             cfg.training.batch_size * cfg.training.grad_accumulation,
             train=True,
             max_duration=dcfg.max_duration,
+            num_batches=dcfg.synthetic_steps_per_epoch or None,
             **common,
         )
         self.val_loader = SyntheticFeatureSource(
@@ -162,7 +167,7 @@ class Trainer:
         self.log.info(
             f"data: SYNTHETIC noise features at the lengths of {dcfg.synthetic_train_lengths} "
             f"({len(self.train_utts)} train) and {dcfg.synthetic_val_lengths} "
-            f"({len(self.val_utts)} dev); {len(self.sampler)} steps per epoch"
+            f"({len(self.val_utts)} dev); {len(self.train_loader)} steps per epoch"
         )
 
     def _build_model(self) -> None:
@@ -182,8 +187,8 @@ class Trainer:
             master_weights=self.dtype != torch.float32,
         )
         self.model.to(self.dtype)
-        self.scaler = torch.amp.GradScaler(
-            ctx.device.type,
+        self.scaler = DynamicLossScaler(
+            ctx.device,
             init_scale=cfg.training.init_loss_scale,
             enabled=cfg.training.precision == "fp16",
         )
@@ -214,6 +219,14 @@ class Trainer:
         # device-side counters, read only at logging points
         self.skipped_total = torch.zeros((), dtype=torch.int64, device=ctx.device)
         self.skipped_in_a_row = torch.zeros((), dtype=torch.int64, device=ctx.device)
+        peak, peak_source = peak_flops(ctx.device, cfg.training.peak_tflops)
+        self.window = ThroughputWindow(ctx.device, peak)
+        self.log.info(
+            "MFU against "
+            + (f"{peak / 1e12:.1f} TFLOP/s ({peak_source})" if peak else f"nothing: {peak_source}")
+        )
+        # CUDA events at the parts of each step, set by bench/train_step.py (None: no events)
+        self.parts: StepParts | None = None
 
     def _broadcast_parameters(self) -> None:
         if self.ctx.enabled:
@@ -274,15 +287,23 @@ class Trainer:
         )
         return True
 
-    def save(self, wer: float | None = None) -> Path | None:
+    def save(self, wer: float | None = None, background: bool = False) -> Path | None:
+        """Checkpoint the whole training state (main rank). background: return once the state
+        is in host memory and write the file while training goes on."""
         if not self.ctx.is_main:
             return None
         return self.checkpoints.save(
-            self.state_dict(), epoch=self.progress.epoch, step=self.progress.step, wer=wer
+            self.state_dict(),
+            epoch=self.progress.epoch,
+            step=self.progress.step,
+            wer=wer,
+            background=background,
         )
 
     # ---------------------------------------------------------------------------- training
-    def _forward_loss(self, batch: FeatureBatch) -> torch.Tensor:
+    def _forward_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, int]:
+        """The loss of one micro-batch (a device scalar) and its model FLOPs."""
+        parts = self.parts
         mb = self.train_transform(batch.to(self.ctx.device))
         if self.graphs is not None:
             f, f_lens = self.graphs.encode(mb.feats, mb.feat_lens)
@@ -293,46 +314,53 @@ class Trainer:
         if mb.host_lens is not None:
             frames, tokens = mb.host_lens
             host_lens = (self.model.encoded_lengths(frames).tolist(), tokens.tolist())
-        return self.loss_fn(
+            flops = step_flops(self.cfg.model, frames.tolist(), host_lens[1])
+        else:  # lengths only on the device: count the padded batch rather than read them
+            t, b, u = mb.feats.shape[0], mb.feats.shape[1], mb.tokens.shape[1]
+            flops = step_flops(self.cfg.model, [t] * b, [u] * b)
+        if parts is not None:
+            parts.mark("encoded")
+            parts.mark_when_grads_reach([f, g], "joint_grads")
+        loss = self.loss_fn(
             self.model.joint, f, g, f_lens, mb.tokens, mb.token_lens, host_lens=host_lens
         )
+        if parts is not None:
+            parts.mark("loss")
+        return loss, flops
 
     def train_step(self, batch: FeatureBatch, lr: float) -> torch.Tensor:
         """One optimizer step on this rank's share of a global batch; returns the mean loss
-        (a device tensor: no host sync here)."""
+        (a device tensor: no host sync here). The model FLOPs of the step are left in
+        `last_step_flops`."""
+        parts = self.parts
+        if parts is not None:
+            parts.mark("start")
         accum = self.cfg.training.grad_accumulation
-        micro = _split(batch, accum)
         loss_sum = torch.zeros((), device=self.ctx.device)
-        for mb in micro:
-            loss = self._forward_loss(mb)
-            self.scaler.scale(loss / accum).backward()
+        self.last_step_flops = 0
+        for mb in _split(batch, accum):
+            loss, flops = self._forward_loss(mb)
+            self.scaler.scale_loss(loss / accum).backward()
             loss_sum += loss.detach().float()
+            self.last_step_flops += flops
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         all_reduce_mean_(grads, self.ctx)
-        found_inf = self._nonfinite(grads, loss_sum)
+        found_inf = found_nonfinite(grads, loss_sum, self.ctx)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step_if_finite(found_inf)
+        self.optimizer.step(grad_scale=self.scaler.grad_scale, found_inf=found_inf)
+        self.scaler.update(found_inf)
         self.optimizer.zero_grad(set_to_none=True)
         self.ema.update(self.optimizer.master_params())
-        self.skipped_total += found_inf
-        self.skipped_in_a_row.mul_(found_inf).add_(found_inf)
+        skipped = found_inf.to(torch.int64)
+        self.skipped_total += skipped
+        self.skipped_in_a_row.mul_(skipped).add_(skipped)
+        if parts is not None:
+            parts.mark("end")
         return loss_sum / accum
 
-    @staticmethod
-    def _nonfinite(grads: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
-        """1 when the loss or any gradient is inf/NaN (an int64 device scalar)."""
-        norms = torch._foreach_norm(grads)
-        total = torch.stack([n.float() for n in norms]).sum() + loss
-        return (~torch.isfinite(total)).to(torch.int64)
-
-    def _check_nonfinite(self) -> None:
+    def _check_nonfinite(self, in_a_row: int) -> None:
         limit = self.cfg.training.max_consecutive_nonfinite
-        in_a_row = int(self.skipped_in_a_row)
         if in_a_row >= limit:
             raise NonFiniteLossError(
                 f"step {self.progress.step}: {in_a_row} consecutive steps with a non-finite "
@@ -340,36 +368,61 @@ class Trainer:
                 "the run stops"
             )
 
+    def _log_point(self, loss: torch.Tensor, lr: float) -> None:
+        """Read the step's scalars (the loop's one host sync), close the throughput window,
+        print and record; stop the run after too many non-finite steps in a row."""
+        values = torch.stack(
+            [
+                loss.detach().double().reshape(()),
+                self.scaler.scale.double(),
+                self.skipped_total.double(),
+                self.skipped_in_a_row.double(),
+            ]
+        ).tolist()
+        window = self.window.close()
+        loss_value, scale, skipped_total, in_a_row = values
+        self.log.step(
+            step=self.progress.step,
+            epoch=self.progress.epoch,
+            loss=loss_value,
+            lr=lr,
+            loss_scale=scale,
+            skipped_steps=int(skipped_total),
+            window=window,
+        )
+        self._check_nonfinite(int(in_a_row))
+
     def train_epoch(self) -> None:
         cfg, ctx = self.cfg, self.ctx
-        steps_per_epoch = len(self.sampler)
+        steps_per_epoch = len(self.train_loader)
         self.sampler.set_epoch(self.progress.epoch)
         self.train_loader.set_epoch(self.progress.epoch)
         log_every = cfg.training.log_frequency
-        window_start, window_utts = time.perf_counter(), 0
-        for batch in self.train_loader:
+        batches = iter(
+            self.log.progress(
+                self.train_loader, total=steps_per_epoch, desc=f"epoch {self.progress.epoch}"
+            )
+        )
+        self.window.start()
+        loss = lr = None
+        while True:
+            waited = time.perf_counter()
+            batch = next(batches, None)
+            self.window.waited_for_data(time.perf_counter() - waited)
+            if batch is None:
+                break
             lr = lr_at(self.progress.step + 1, self.progress.epoch, steps_per_epoch, cfg.optimizer)
             loss = self.train_step(batch, lr)
             self.progress.step += 1
             self.batches_done += 1
-            window_utts += len(batch) * ctx.world_size
+            self.window.add_step(len(batch) * ctx.world_size, self.last_step_flops * ctx.world_size)
             if self.progress.step % log_every == 0:
-                elapsed = time.perf_counter() - window_start
-                self.log.step(
-                    step=self.progress.step,
-                    epoch=self.progress.epoch,
-                    loss=float(loss),
-                    lr=lr,
-                    utts_per_s=window_utts / max(elapsed, 1e-9),
-                    loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else 1.0,
-                    skipped_steps=int(self.skipped_total),
-                )
-                self._check_nonfinite()
-                window_start, window_utts = time.perf_counter(), 0
+                self._log_point(loss, lr)
             every = cfg.training.checkpoint_every_steps
             if every and self.progress.step % every == 0:
-                self.save()
-        self._check_nonfinite()
+                self.save(background=True)
+        if self.window.steps:  # the epoch's last, shorter window
+            self._log_point(loss, lr)
         self.batches_done = 0
 
     def run_eval(self) -> EvalResult:
@@ -393,6 +446,7 @@ class Trainer:
         ml.run_start()
         reached = False
         status = "aborted"
+        result: EvalResult | None = None
         try:
             while self.progress.epoch <= cfg.training.epochs:
                 epoch = self.progress.epoch
@@ -416,14 +470,39 @@ class Trainer:
                 reached = result.wer <= cfg.training.target_wer
                 self.progress.epoch += 1
                 self.sampler.set_epoch(self.progress.epoch)
-                if reached or epoch % cfg.training.save_every_epochs == 0:
-                    self.save(result.wer)
                 if reached:
                     break
+                every = cfg.training.save_every_epochs
+                if every and epoch % every == 0 and self.progress.epoch <= cfg.training.epochs:
+                    self.save(result.wer, background=True)
             status = "success" if reached else "aborted"
         finally:
             ml.run_stop(status)
+            self.checkpoints.wait()
+        # the final state, after the timed region (a run that raised keeps its last checkpoint)
+        self.save(result.wer if result is not None else None)
         return reached
+
+
+def found_nonfinite(
+    grads: list[torch.Tensor], loss: torch.Tensor, ctx: DistContext
+) -> torch.Tensor:
+    """1.0 when the loss or any gradient element is inf or NaN on any rank, else 0.0 (a
+    float32 scalar on the device): the one decision the optimizer, the loss scale and the skip
+    counters share.
+
+    Elementwise, with GradScaler's own op (unscaling by 1 leaves the values as they are), so
+    nothing is summed: a norm taken in fp16 overflows on healthy scaled gradients.
+    """
+    found = (~torch.isfinite(loss)).to(torch.float32).reshape(())
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    one = torch.ones((), device=found.device)
+    for group in by_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
+    all_reduce_max_(found, ctx)
+    return found
 
 
 def _split(batch: FeatureBatch, parts: int) -> list[FeatureBatch]:

@@ -204,7 +204,8 @@ class SyntheticFeatureSource:
         return (np.rint(samples / speeds).astype(np.int64) // self.hop) + 1
 
     def _index_batches(self) -> Iterator[list[int]]:
-        epoch = self.epoch
+        # an epoch longer than one pass takes sampler epochs of its own, never its neighbour's
+        epoch = self.epoch * -(-self.num_batches // max(len(self.batches), 1))
         while True:
             if isinstance(self.batches, BucketingSampler):
                 yield from self.batches.rank_batches(epoch).tolist()
@@ -230,6 +231,15 @@ class SyntheticFeatureSource:
                 speeds = np.ones(idx.size)
             yield self._batch(idx, self.frames(self.durations[idx], speeds), rng, gen)
 
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the source's device. From pinned memory, so that the copy does not
+        wait for the GPU to finish the queued training steps: a loader that did would look
+        like a slow one (the trainer logs the time spent waiting for data)."""
+        host = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     def _batch(
         self, idx: np.ndarray, frames: np.ndarray, rng: np.random.Generator, gen: torch.Generator
     ) -> FeatureBatch:
@@ -242,14 +252,14 @@ class SyntheticFeatureSource:
             random_ids = rng.integers(1, self.random_ids_below, size=tokens.shape)
             tokens = np.where(np.arange(tokens.shape[1]) < token_lens[:, None], random_ids, 0)
         dev = self.device
-        feat_lens = torch.from_numpy(frames).to(dev)
+        feat_lens = self._to_device(frames)
         feats = torch.randn((b, self.features.n_mels, int(frames.max())), generator=gen, device=dev)
         feats.masked_fill_(torch.arange(feats.shape[2], device=dev) >= feat_lens[:, None, None], 0)
         return FeatureBatch(
             feats=feats,
             feat_lens=feat_lens,
-            tokens=torch.from_numpy(tokens).to(dev),
-            token_lens=torch.from_numpy(token_lens).to(dev),
+            tokens=self._to_device(tokens),
+            token_lens=self._to_device(token_lens),
             utt_ids=[self.utt_ids[i] for i in idx],
             transcripts=[self.transcripts[i] for i in idx],
             host_lens=(torch.from_numpy(frames), torch.from_numpy(token_lens)),

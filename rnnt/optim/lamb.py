@@ -162,20 +162,30 @@ class Lamb(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------ stepping
     @torch.no_grad()
-    def step(self, closure=None):
-        """One LAMB step. Under GradScaler, `grad_scale`/`found_inf` are set on the optimizer."""
+    def step(
+        self,
+        closure=None,
+        *,
+        grad_scale: torch.Tensor | None = None,
+        found_inf: torch.Tensor | None = None,
+    ):
+        """One LAMB step.
+
+        grad_scale: the loss scale the gradients carry (divided out here); found_inf: a 0-dim
+        device tensor, nonzero to skip the step on the device. The trainer passes both; under
+        `torch.amp.GradScaler`, which sets them as attributes before calling `step()`, they
+        come from there.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._update(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        self._update(grad_scale, found_inf)
         return loss
-
-    @torch.no_grad()
-    def step_if_finite(self, found_inf: torch.Tensor) -> None:
-        """One step that is skipped on the device when `found_inf` (0-dim, nonzero = skip) is
-        set: the caller's own overflow check, for runs without a GradScaler (fp32, bf16)."""
-        self._update(None, found_inf)
 
     def _update(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         grads = []

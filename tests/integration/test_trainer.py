@@ -18,7 +18,7 @@ from rnnt.data.synthetic_corpus import build_corpus
 from rnnt.data.tokenizer import Tokenizer, train_tokenizer
 from rnnt.distributed import DistContext
 from rnnt.run_log import read_metrics
-from rnnt.trainer import NonFiniteLossError, Trainer
+from rnnt.trainer import NonFiniteLossError, Trainer, found_nonfinite
 
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -126,23 +126,49 @@ def test_truncated_newest_checkpoint_falls_back_loudly(corpus, tmp_path, caplog)
         Trainer(cfg, CPU).resume()
 
 
-def test_inf_gradient_skips_the_step_and_is_counted(corpus, tmp_path):
-    trainer = Trainer(make_cfg(corpus, tmp_path / "run"), CPU)
+def _skip_expectations(trainer: Trainer, poison) -> None:
+    """One step with an inf in one gradient: weights, masters, moments and the optimizer's step
+    count stay, the EMA moves towards the unchanged weights (as NVIDIA's runs do), the skip
+    count rises by exactly one; then a finite step moves the weights and resets the run."""
     batch = next(iter(trainer.train_loader))
     before = [p.detach().clone() for p in trainer.model.parameters()]
     masters = [m.clone() for m in trainer.optimizer.master_params()]
-    poisoned = next(trainer.model.joint.parameters())
-    handle = poisoned.register_hook(lambda g: torch.full_like(g, math.inf))
+    ema = [w.clone() for w in trainer.ema.weights]
+    steps = float(trainer.optimizer.steps)
+    handle = poison.register_hook(lambda g: torch.full_like(g, math.inf))
     trainer.train_step(batch, lr=0.01)
     handle.remove()
     assert int(trainer.skipped_total) == 1 and int(trainer.skipped_in_a_row) == 1
+    assert float(trainer.optimizer.steps) == steps
     for a, b in zip(before, trainer.model.parameters()):
         assert torch.equal(a, b)
     for a, b in zip(masters, trainer.optimizer.master_params()):
         assert torch.equal(a, b)
+    decay = trainer.ema.decay
+    for old, new, w in zip(ema, trainer.ema.weights, masters):
+        torch.testing.assert_close(new, old * decay + w * (1 - decay), rtol=1e-6, atol=1e-7)
     trainer.train_step(batch, lr=0.01)  # a finite step moves the weights and resets the run
     assert int(trainer.skipped_total) == 1 and int(trainer.skipped_in_a_row) == 0
+    assert float(trainer.optimizer.steps) == steps + 1
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_inf_gradient_skips_the_step_and_is_counted(corpus, tmp_path):
+    trainer = Trainer(make_cfg(corpus, tmp_path / "run"), CPU)
+    _skip_expectations(trainer, next(trainer.model.joint.parameters()))
+
+
+def test_large_finite_fp16_gradients_are_not_counted_as_skips():
+    """100,000 gradient elements of 300 have an L2 norm of 94,868, past fp16's 65,504: a check
+    that sums in fp16 calls them inf. Any inf or NaN element, or a non-finite loss, is one."""
+    grads = [torch.full((100_000,), 300.0, dtype=torch.float16), torch.ones(7)]
+    assert float(found_nonfinite(grads, torch.tensor(12.5), CPU)) == 0.0
+    assert torch.equal(grads[0], torch.full((100_000,), 300.0, dtype=torch.float16))
+    assert float(found_nonfinite(grads, torch.tensor(math.inf), CPU)) == 1.0
+    for bad in (math.inf, -math.inf, math.nan):
+        poisoned = [g.clone() for g in grads]
+        poisoned[0][99_999] = bad
+        assert float(found_nonfinite(poisoned, torch.tensor(12.5), CPU)) == 1.0
 
 
 def test_repeated_nan_losses_stop_the_run_naming_the_step(corpus, tmp_path):
@@ -157,23 +183,32 @@ def test_repeated_nan_losses_stop_the_run_naming_the_step(corpus, tmp_path):
 
 
 @pytest.mark.gpu
-def test_fp16_overflow_lowers_the_scale_and_skips(corpus, tmp_path):
+def test_fp16_overflow_skips_and_scales_as_gradscaler_says(corpus, tmp_path):
+    """On CUDA in fp16: the injected inf skips the step like the CPU case, and the loss scale
+    after each step is what torch.amp.GradScaler computes from the same gradients."""
     from rnnt.distributed import init_distributed
 
-    trainer = Trainer(
-        make_cfg(corpus, tmp_path / "run", "training.precision=fp16"), init_distributed("cuda")
-    )
-    batch = next(iter(trainer.train_loader))
-    before = [p.detach().clone() for p in trainer.model.parameters()]
-    handle = next(trainer.model.joint.parameters()).register_hook(
-        lambda g: torch.full_like(g, math.inf)
-    )
-    trainer.train_step(batch, lr=0.01)
-    handle.remove()
-    assert trainer.scaler.get_scale() == 256.0  # 512 halved
-    assert int(trainer.skipped_total) == 1
-    for a, b in zip(before, trainer.model.parameters()):
-        assert torch.equal(a, b)
+    cfg = make_cfg(corpus, tmp_path / "run", "training.precision=fp16")
+    trainer = Trainer(cfg, init_distributed("cuda"))
+    oracle = torch.amp.GradScaler("cuda", init_scale=cfg.training.init_loss_scale)
+    shadow = [torch.nn.Parameter(p.detach().float().clone()) for p in trainer.model.parameters()]
+    sgd = torch.optim.SGD(shadow, lr=0.0)
+    oracle.scale(torch.ones((), device="cuda"))  # GradScaler makes its scale tensor lazily
+    scales = []
+    real_step = trainer.optimizer.step
+
+    def step_beside_the_oracle(*args, **kwargs):
+        for s, p in zip(shadow, trainer.model.parameters()):
+            s.grad = p.grad.detach().float()
+        oracle.step(sgd)
+        oracle.update()
+        scales.append(oracle.get_scale())
+        return real_step(*args, **kwargs)
+
+    trainer.optimizer.step = step_beside_the_oracle
+    _skip_expectations(trainer, next(trainer.model.joint.parameters()))
+    assert scales == [256.0, 256.0]  # 512 halved by the skip, kept by the finite step
+    assert trainer.scaler.get_scale() == scales[-1]
 
 
 def test_two_processes_under_torchrun_share_one_log_and_one_eval(corpus, tmp_path, repo_root):
@@ -207,12 +242,13 @@ def test_two_processes_under_torchrun_share_one_log_and_one_eval(corpus, tmp_pat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_cg", [0, 2])
 @pytest.mark.parametrize("loss_backend", ["reference", "fused", "apex"])
-def test_training_step_never_syncs_with_the_host(tmp_path, lengths_dir, loss_backend):
-    """Trainer.train_step on the GPU (fp16, GradScaler, LAMB, EMA, skip counters) under
-    sync-debug "error": any host-device synchronization inside the step raises. The fused
-    and apex losses get the batch's host lengths (packed lattice) and must not read the
-    device."""
+def test_training_step_never_syncs_with_the_host(tmp_path, lengths_dir, loss_backend, num_cg):
+    """Trainer.train_step on the GPU (fp16, loss scale, LAMB, EMA, skip counters; eager and
+    graphed) under sync-debug "error": any host-device synchronization inside the step
+    raises. The fused and apex losses get the batch's host lengths (packed lattice) and must
+    not read the device."""
     from rnnt.distributed import init_distributed
 
     if loss_backend == "apex":
@@ -224,7 +260,7 @@ def test_training_step_never_syncs_with_the_host(tmp_path, lengths_dir, loss_bac
             "data.backend=synthetic", "data.tokenizer=", "data.vocab_size=1023",
             "model.n_classes=1024", "data.max_duration=4.0", "training.batch_size=8",
             "training.precision=fp16", f"training.output_dir={tmp_path}",
-            f"loss.backend={loss_backend}",
+            f"loss.backend={loss_backend}", f"training.num_cg={num_cg}",
             f"data.synthetic_train_lengths={lengths_dir / 'librispeech_train-clean-5_lengths.tsv'}",
             f"data.synthetic_val_lengths={lengths_dir / 'librispeech_dev-clean_lengths.tsv'}",
         ],
@@ -240,6 +276,52 @@ def test_training_step_never_syncs_with_the_host(tmp_path, lengths_dir, loss_bac
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss)
+
+
+@pytest.mark.gpu
+def test_logged_throughput_matches_the_wall_clock(tmp_path):
+    """Each log line's utt/s covers the time since the previous line, until the GPU finished:
+    the window's length equals the gap between the metrics records' timestamps. Measuring
+    before the log point's sync (the old bug) gave 3-5x too many utt/s at log_frequency 1."""
+    from rnnt.distributed import init_distributed
+
+    batch = 64
+    cfg = load_config(
+        Path(__file__).parents[2] / "configs/baseline_v3-1023sp.yaml",
+        [
+            "data.backend=synthetic", "data.tokenizer=", f"training.batch_size={batch}",
+            "data.synthetic_steps_per_epoch=8", "training.log_frequency=1",
+            f"training.output_dir={tmp_path}",
+        ],
+    )  # fmt: skip
+    trainer = Trainer(cfg, init_distributed("cuda"))
+    trainer.train_epoch()
+    records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for prev, cur in zip(records[1:], records[2:]):  # the first window holds the warm-up
+        logged = cur["window_steps"] * batch / cur["utts_per_s"]
+        assert logged == pytest.approx(cur["time"] - prev["time"], rel=0.05, abs=0.005)
+        assert cur["step_ms"] == pytest.approx(1e3 * logged)
+        assert 0 < cur["mfu"] < 1 and cur["peak_memory_gib"] > 1
+        # a skip is an overflow the scale backs off from (it grows only after 2000 clean steps)
+        assert 2 ** cur["skipped_steps"] == 512.0 / cur["loss_scale"]
+
+
+def test_only_the_final_state_is_saved_when_the_run_asks_for_no_checkpoints(corpus, tmp_path):
+    out = tmp_path / "run"
+    cfg = make_cfg(corpus, out, "training.save_every_epochs=0", "training.checkpoint_every_steps=0")
+    trainer = Trainer(cfg, CPU)
+    trainer.fit()
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.pt")) == ["ckpt_e3_s12.pt"]
+    resumed = Trainer(cfg, CPU)
+    assert resumed.resume() and resumed.progress.step == 12
+    for a, b in zip(resumed.model.parameters(), trainer.model.parameters()):
+        assert torch.equal(a, b)
+    from bench.log_truth import compare
+
+    windows = compare(read_metrics(out / "metrics.jsonl"), global_batch=8)
+    assert len(windows) == 10  # 6 log points per epoch, the first of each left out
+    assert all(w["ratio"] == pytest.approx(1.0, rel=0.1) for w in windows)
 
 
 def test_accumulation_split_keeps_host_lengths_aligned_with_the_batch():

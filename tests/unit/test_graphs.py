@@ -1,4 +1,4 @@
-"""Training CUDA graphs (rnnt/graphs.py) and asynchronous scalars (rnnt/sync_free.py).
+"""Training CUDA graphs (rnnt/graphs.py).
 
 CPU tests cover everything but the replay: bucket lengths, the O(1) table against brute force,
 the frame bound against librosa, padding against F.pad, and the padded-bucket path (pad, run,
@@ -6,10 +6,7 @@ slice) against the eager model, values and gradients. GPU tests compare captured
 eager training and check dropout freshness and the absence of host syncs.
 """
 
-import json
 import math
-import subprocess
-import sys
 
 import librosa
 import numpy as np
@@ -33,7 +30,6 @@ from rnnt.graphs import (
     pad_into,
 )
 from rnnt.model import RNNT
-from rnnt.sync_free import AsyncScalars
 from tests.unit.test_model import tiny_cfg
 
 NO_DROPOUT = dict(enc_dropout=0.0, pred_dropout=0.0, joint_dropout=0.0)
@@ -189,39 +185,6 @@ def test_training_graphs_need_cuda():
         TrainingGraphs(model, 2, 10, 5, 2, torch.float32, "cpu")
 
 
-# ------------------------------------------------------------------------------ AsyncScalars
-
-
-def test_async_scalars_return_the_last_record():
-    scalars = AsyncScalars(["loss", "lr", "skipped"], "cpu")
-    with pytest.raises(RuntimeError, match="before any record"):
-        scalars.read()
-    loss = torch.tensor(2.5)
-    scalars.record(loss=loss, lr=0.007, skipped=torch.tensor(3))
-    loss.add_(1.0)  # a later in-place update must not leak into the recorded value
-    scalars.record(loss=torch.tensor([1.25], dtype=torch.float16), lr=1e-5, skipped=torch.tensor(4))
-    assert scalars.ready()
-    assert scalars.read() == {"loss": 1.25, "lr": 1e-5, "skipped": 4.0}
-
-
-def test_async_scalars_snapshot_at_record_time():
-    scalars = AsyncScalars(["loss"], "cpu")
-    loss = torch.tensor(2.5)
-    scalars.record(loss=loss)
-    loss.add_(1.0)
-    assert scalars.read() == {"loss": 2.5}
-
-
-def test_async_scalars_reject_missing_unknown_and_non_scalar_values():
-    scalars = AsyncScalars(["loss", "lr"], "cpu")
-    with pytest.raises(ValueError, match=r"missing \['lr'\], unknown \['lrr'\]"):
-        scalars.record(loss=torch.tensor(1.0), lrr=0.1)
-    with pytest.raises(ValueError, match="'loss' has 2 elements"):
-        scalars.record(loss=torch.ones(2), lr=0.1)
-    with pytest.raises(ValueError, match="distinct"):
-        AsyncScalars(["a", "a"], "cpu")
-
-
 # ------------------------------------------------------------------------------ GPU
 
 
@@ -345,65 +308,3 @@ def test_graphed_wave_encoder_matches_eager_and_draws_fresh_masks():
     f1 = graphs.encode(x, x_lens)[0].clone()
     f2 = graphs.encode(x, x_lens)[0].clone()
     assert not torch.equal(f1, f2)
-
-
-@pytest.mark.gpu
-def test_training_step_has_no_host_sync(repo_root):
-    """encode/predict graphs, reference loss, backward, GradScaler + LAMB, EMA, async scalars."""
-    from bench.train_step import StepRunner
-
-    model = _gpu_model(enc_dropout=0.1, pred_dropout=0.3, joint_dropout=0.3)
-    runner = StepRunner(model, loss_backend="reference", batch_size=4, max_feat_len=40,
-                        max_token_len=10, num_cg=2)  # fmt: skip
-    batches = [_batch(model, 4, t, u, seed=t) for t, u in [(40, 10), (17, 3), (33, 7)]]
-    runner.step(*batches[0])  # lazy initialisations (cuBLAS handles, optimizer state) first
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for batch in batches:
-            runner.step(*batch)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    values = runner.scalars.read()
-    assert math.isfinite(values["loss"]) and values["scale"] > 0
-
-
-# ------------------------------------------------------------------------------ bench
-
-
-def test_bench_train_step_runs_on_cpu(repo_root, lengths_dir, tmp_path):
-    out = tmp_path / "bench.json"
-    cmd = [
-        sys.executable, "bench/train_step.py", "--device", "cpu", "--config", "configs/tiny.yaml",
-        "--batch-sizes", "4", "--steps", "2", "--warmup", "1", "--json", str(out),
-        "--set", "data.max_duration=4",  # short utterances keep the CPU run to seconds
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    rows = json.loads(out.read_text())["results"]
-    assert [r["batch_size"] for r in rows] == [4] and rows[0]["num_cg"] == 0
-    assert rows[0]["median_step_ms"] > 0 and rows[0]["utts_per_s"] > 0
-    assert "utts/s" in proc.stdout
-
-
-def test_bench_flop_count_matches_torch_flop_counter():
-    """step_flops (3x the forward GEMMs) against FlopCounterMode on a real forward + backward.
-    The counter sees one GEMM fewer per LSTM layer: no gradient flows into the zero initial
-    state h_{-1}, which saves 2*B*4H*H FLOPs per layer. oneDNN's fused CPU LSTM is invisible
-    to the counter, so it is switched off."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from bench.train_step import step_flops
-
-    cfg = tiny_cfg()
-    model = RNNT(cfg)
-    b, t, u = 3, 9, 4
-    x = torch.randn(t, b, cfg.in_feats, requires_grad=True)
-    y = torch.randint(0, cfg.n_classes - 1, (b, u))
-    with torch.backends.mkldnn.flags(enabled=False), FlopCounterMode(display=False) as counter:
-        f, _, g = model(x, torch.full((b,), t), y)
-        model.joint(f, g).sum().backward()
-    h, p = cfg.enc_n_hid, cfg.pred_n_hid
-    layers = [(h, cfg.enc_pre_rnn_layers + cfg.enc_post_rnn_layers), (p, cfg.pred_rnn_layers)]
-    no_initial_state_grad = sum(n * 2 * b * 4 * hid * hid for hid, n in layers)
-    assert counter.get_total_flops() == step_flops(cfg, b, t, u) - no_initial_state_grad

@@ -209,15 +209,16 @@ def test_grad_scaler_skips_inf_step_and_then_steps():
         torch.testing.assert_close(m.double(), r, atol=1e-6, rtol=0)
 
 
-def test_step_if_finite():
+def test_explicit_found_inf_and_grad_scale():
     weights, grad_steps = make_case(4, steps=1)
     params = [torch.nn.Parameter(w.clone()) for w in weights]
     opt = Lamb(params, lr=0.01)
-    _scaled_grads(params, grad_steps[0], 1.0)
-    opt.step_if_finite(torch.ones((), dtype=torch.int64))
+    _scaled_grads(params, grad_steps[0], 4.0)
+    opt.step(grad_scale=torch.tensor(4.0), found_inf=torch.ones(()))
     for p, w in zip(params, weights):
         assert torch.equal(p.detach(), w)
-    opt.step_if_finite(torch.zeros((), dtype=torch.int64))
+    assert float(opt.steps) == 0
+    opt.step(grad_scale=torch.tensor(4.0), found_inf=torch.zeros(()))
     ref_w, _, _ = reference_lamb(
         weights, grad_steps, [0.01] * len(SHAPES), (0.9, 0.999), 1e-9, 1e-3, 1.0
     )
@@ -284,7 +285,7 @@ def test_step_is_sync_free_on_cuda():
     try:
         scaler.step(opt)
         lr.fill_(0.005)
-        opt.step_if_finite(torch.zeros((), dtype=torch.int64, device="cuda"))
+        opt.step(found_inf=torch.zeros((), device="cuda"))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert float(opt.steps) == 2

@@ -5,6 +5,15 @@ import sys
 import pytest
 
 from rnnt.run_log import METRICS_FILE, RunLog, read_metrics
+from rnnt.throughput import WindowStats
+
+
+def window(utts_per_s=1520.44, mfu=0.2125, peak_memory_gib=61.25):
+    return WindowStats(
+        steps=10, utterances=1920, seconds=1920 / utts_per_s, data_wait_seconds=0.0125,
+        utts_per_s=utts_per_s, step_ms=126.25, data_wait_share=0.0099,
+        peak_memory_gib=peak_memory_gib, mfu=mfu,
+    )  # fmt: skip
 
 
 def strict_json(line):
@@ -17,29 +26,38 @@ def strict_json(line):
 def test_step_and_eval_lines_and_records(tmp_path, capsys):
     with RunLog(tmp_path, is_main=True) as log:
         log.info("starting")
-        log.step(step=10, epoch=1, loss=52.25, lr=0.0031, utts_per_s=1520.44, loss_scale=512.0,
-                 skipped_steps=2)  # fmt: skip
+        log.step(step=10, epoch=1, loss=52.25, lr=0.0031, loss_scale=512.0, skipped_steps=2,
+                 window=window())  # fmt: skip
+        log.step(step=12, epoch=1, loss=50.0, lr=0.0031, loss_scale=512.0, skipped_steps=2,
+                 window=window(mfu=None, peak_memory_gib=None))  # fmt: skip
         log.eval(epoch=1, step=10, wer=0.2843, utterances=2703, seconds=1.93)
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("] starting")
     assert out[1].endswith(
-        "] epoch 1 step 10 | loss 52.2500 | lr 3.100e-03 | 1520.4 utt/s | loss scale 512 | "
-        "skipped steps 2"
+        "] epoch 1 step 10 | loss 52.2500 | lr 3.100e-03 | 1520.4 utt/s (126.2 ms/step) | "
+        "data wait 1.0% | peak mem 61.2 GiB | MFU 21.2% | loss scale 512 | skipped steps 2"
     )
-    assert out[2].endswith("] epoch 1 step 10 | dev WER 28.430% | 2703 utterances in 1.93 s")
+    assert out[2].endswith(  # no GPU: neither memory nor MFU
+        "] epoch 1 step 12 | loss 50.0000 | lr 3.100e-03 | 1520.4 utt/s (126.2 ms/step) | "
+        "data wait 1.0% | loss scale 512 | skipped steps 2"
+    )
+    assert out[3].endswith("] epoch 1 step 10 | dev WER 28.430% | 2703 utterances in 1.93 s")
     lines = (tmp_path / METRICS_FILE).read_text().splitlines()
-    train, ev = (strict_json(line) for line in lines)
+    train, cpu_train, ev = (strict_json(line) for line in lines)
     assert train.pop("time") > 0 and ev.pop("time") > 0
     assert train == {"kind": "train", "step": 10, "epoch": 1, "loss": 52.25, "lr": 0.0031,
-                     "utts_per_s": 1520.44, "loss_scale": 512.0, "skipped_steps": 2}  # fmt: skip
+                     "utts_per_s": 1520.44, "step_ms": 126.25, "window_steps": 10,
+                     "data_wait_share": 0.0099, "peak_memory_gib": 61.25, "mfu": 0.2125,
+                     "loss_scale": 512.0, "skipped_steps": 2}  # fmt: skip
+    assert "mfu" not in cpu_train and "peak_memory_gib" not in cpu_train
     assert ev == {"kind": "eval", "epoch": 1, "step": 10, "wer": 0.2843, "utterances": 2703,
                   "seconds": 1.93}  # fmt: skip
 
 
 def test_non_finite_values_stay_valid_json(tmp_path):
     with RunLog(tmp_path) as log:
-        log.step(step=1, epoch=1, loss=float("nan"), lr=1e-3, utts_per_s=float("inf"),
-                 loss_scale=256.0, skipped_steps=1)  # fmt: skip
+        log.step(step=1, epoch=1, loss=float("nan"), lr=1e-3, loss_scale=256.0,
+                 skipped_steps=1, window=window(utts_per_s=float("inf")))  # fmt: skip
     record = strict_json((tmp_path / METRICS_FILE).read_text())
     assert record["loss"] == "nan" and record["utts_per_s"] == "inf"
 
@@ -54,7 +72,7 @@ def test_resumed_run_appends(tmp_path):
 def test_other_ranks_are_silent(tmp_path, capsys):
     log = RunLog(tmp_path / "out", is_main=False)
     log.info("x")
-    log.step(step=1, epoch=1, loss=1.0, lr=1.0, utts_per_s=1.0, loss_scale=1.0, skipped_steps=0)
+    log.step(step=1, epoch=1, loss=1.0, lr=1.0, loss_scale=1.0, skipped_steps=0, window=window())
     log.eval(epoch=1, step=1, wer=0.1, utterances=1, seconds=1.0)
     log.close()
     assert capsys.readouterr().out == ""
@@ -82,11 +100,11 @@ def test_plot_script_writes_png(tmp_path, repo_root):
     with RunLog(tmp_path) as log:
         for step in range(1, 41):
             log.step(step=step, epoch=1 + step // 10, loss=100.0 / step, lr=1e-3 * min(step, 10),
-                     utts_per_s=1000.0, loss_scale=512.0, skipped_steps=0)  # fmt: skip
+                     loss_scale=512.0, skipped_steps=0, window=window())  # fmt: skip
             if step % 10 == 0:
                 log.eval(epoch=step // 10, step=step, wer=0.5 / step, utterances=2703, seconds=1)
-        log.step(step=41, epoch=5, loss=float("nan"), lr=1e-3, utts_per_s=1.0, loss_scale=256.0,
-                 skipped_steps=1)  # fmt: skip
+        log.step(step=41, epoch=5, loss=float("nan"), lr=1e-3, loss_scale=256.0,
+                 skipped_steps=1, window=window())  # fmt: skip
     out = tmp_path / "curves.png"
     script = repo_root / "scripts" / "plot_metrics.py"
     result = subprocess.run(

@@ -1,0 +1,26 @@
+"""bench/train_step.py times the real Trainer's step (a CPU smoke run)."""
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_times_the_trainers_step_on_cpu(repo_root, tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "bench/train_step.py", "--device", "cpu", "--config", "configs/tiny.yaml",
+        "--batch-sizes", "4", "--steps", "2", "--warmup", "1", "--json", str(out),
+        "--cache-dir", str(tmp_path / "cache"), "--checkpoint-cost",
+        # short utterances keep the CPU run to seconds; the full vocabulary of the table
+        "--set", "data.max_duration=4", "--set", "data.vocab_size=1023",
+        "--set", "model.n_classes=1024",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "MFU against nothing: no peak for the CPU" in proc.stdout  # the Trainer's own line
+    (row,) = json.loads(out.read_text())["results"]
+    assert (row["batch_size"], row["num_cg"], row["steps"]) == (4, 0, 2)
+    assert row["median_step_ms"] > 0 and row["utts_per_s"] > 0 and row["mfu"] > 0
+    assert row["skipped_steps"] == 0 and row["final_loss"] > 0
+    assert 0 < row["checkpoint_gb"] < 0.1 and row["checkpoint_total_s"] > 0
+    assert "utts/s" in proc.stdout

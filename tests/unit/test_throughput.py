@@ -1,0 +1,71 @@
+"""Throughput windows (rnnt/throughput.py)."""
+
+import time
+
+import pytest
+import torch
+
+from rnnt.throughput import StepParts, ThroughputWindow
+
+
+def test_windows_tile_the_wall_clock_and_count_what_happened():
+    window = ThroughputWindow(torch.device("cpu"), peak_flops=1e9)
+    t0 = time.perf_counter()
+    window.start()
+    for _ in range(3):
+        window.waited_for_data(0.001)
+        time.sleep(0.01)
+        window.add_step(utterances=8, flops=2_000_000)
+    first = window.close()
+    time.sleep(0.02)
+    window.add_step(utterances=8, flops=0)
+    second = window.close()
+    elapsed = time.perf_counter() - t0
+    assert (first.steps, first.utterances, second.steps, second.utterances) == (3, 24, 1, 8)
+    assert first.seconds >= 0.03 and second.seconds >= 0.02
+    assert first.seconds + second.seconds == pytest.approx(elapsed, abs=2e-3)
+    assert first.utts_per_s == pytest.approx(24 / first.seconds)
+    assert first.step_ms == pytest.approx(1e3 * first.seconds / 3)
+    assert first.data_wait_share == pytest.approx(0.003 / first.seconds)
+    assert first.mfu == pytest.approx(6e6 / first.seconds / 1e9)
+    assert first.peak_memory_gib is None  # no GPU
+
+
+def test_no_peak_means_no_mfu():
+    window = ThroughputWindow(torch.device("cpu"))
+    window.start()
+    window.add_step(1, 10)
+    assert window.close().mfu is None
+
+
+@pytest.mark.gpu
+def test_a_window_ends_when_the_gpu_has_finished_its_work():
+    """The host queues a second of GPU work in far less; the window must still last it."""
+    a = torch.randn(4096, 4096, device="cuda")
+    window = ThroughputWindow(torch.device("cuda"))
+    window.start()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(200):
+        a = torch.tanh(a @ a)
+    end.record()
+    window.add_step(1, 0)
+    stats = window.close()
+    gpu_seconds = start.elapsed_time(end) * 1e-3
+    assert stats.seconds >= gpu_seconds
+    assert stats.peak_memory_gib > 0
+
+
+@pytest.mark.gpu
+def test_step_parts_time_between_marks_and_after_gradients():
+    parts = StepParts()
+    x = torch.randn(2048, 2048, device="cuda", requires_grad=True)
+    parts.mark("start")
+    y = (x @ x).tanh()
+    parts.mark_when_grads_reach([y], "grads")
+    y.sum().backward()
+    parts.mark("end")
+    (total,) = parts.milliseconds("start", "end")
+    (to_grads,) = parts.milliseconds("start", "grads")
+    assert 0 < to_grads < total
