@@ -8,9 +8,9 @@ graph is replayed, and the outputs are sliced back to the batch's own lengths. T
 loss, the scaler, the optimizer and the EMA stay eager.
 
 Why padding is exact: every RNN here is unidirectional, so frames appended at the end never
-change earlier outputs. The one place where the tail reaches back is stack-time with an odd T:
-the eager model pairs the last pre-RNN frame with a zero frame, so the graphed encoder takes a
-0/1 frame mask and zeroes its pre-RNN output past T (see `_EncodeSegment`). Padded positions
+change earlier outputs. The one place where the tail reaches back is stack-time with an odd
+length, and it completes the last pair with a zero frame past each utterance's own length
+(`rnnt.model.StackTime`), bucket padding or not. Padded positions
 get zero output gradient, so they add nothing to the weight gradients; the padding itself is
 zeros (labels: blank), so no 0 * garbage can turn into NaN.
 
@@ -147,28 +147,21 @@ def pad_into(static: torch.Tensor, x: torch.Tensor, fill: float | int) -> None:
 
 
 class _EncodeSegment(nn.Module):
-    """The graphed unit of the encoder: x (L, B, F), lens (B,), keep (L, 1, 1) ->
-    f (B, ceil(L / stack), H), f_lens (B,).
-
-    `keep` is 1 for the batch's own T frames and 0 for the bucket padding. It zeroes the
-    pre-RNN output past T, which is what the eager model's stack-time sees when T is odd (it
-    pads the pre-RNN output with a zero frame); without it the last encoder frame of a batch
-    with odd T would pair frame T-1 with the LSTM's output for a padding frame instead.
-    Mirrors `Encoder.forward` otherwise (the CPU tests compare the two). A fresh wrapper per
-    bucket, because make_graphed_callables replaces the `forward` of the module it is given.
+    """The graphed unit of the encoder: x (L, B, F), lens (B,) -> f (B, ceil(L / stack), H),
+    f_lens (B,). Mirrors `Encoder.forward` (the CPU tests compare the two); stack-time zeroes
+    every frame past each utterance's length, the bucket's padding included. A fresh wrapper
+    per bucket, because make_graphed_callables replaces the `forward` of the module it is given.
     """
 
     def __init__(self, encoder: nn.Module) -> None:
         super().__init__()
         self.encoder = encoder
 
-    def forward(
-        self, x: torch.Tensor, lens: torch.Tensor, keep: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         enc = self.encoder
         # the lengths let the wave LSTM skip the bucket's padding steps on the device
         h, _ = enc.pre_rnn(x, lengths=lens)
-        h, lens = enc.stack_time(h * keep, lens)
+        h, lens = enc.stack_time(h, lens)
         h, _ = enc.post_rnn(h, lengths=lens)
         return enc.joint_enc(h.transpose(0, 1)), lens
 
@@ -185,8 +178,8 @@ class _PredictSegment(nn.Module):
 
 
 class EncoderBucket:
-    """One encoder length bucket: static inputs x (L, B_cap, F), lens (B_cap,), keep (L, 1, 1),
-    and `fn`, the callable run on them: the graphed `_EncodeSegment` (or the plain segment)."""
+    """One encoder length bucket: static inputs x (L, B_cap, F), lens (B_cap,), and `fn`, the
+    callable run on them: the graphed `_EncodeSegment` (or the plain segment)."""
 
     def __init__(
         self,
@@ -199,13 +192,12 @@ class EncoderBucket:
     ) -> None:
         self.static_x = torch.zeros(length, batch_size, in_feats, dtype=dtype, device=device)
         self.static_lens = torch.full((batch_size,), length, dtype=torch.int64, device=device)
-        self.static_keep = torch.ones(length, 1, 1, dtype=dtype, device=device)
         self.stack_factor = stack_factor
         self.fn = None
 
     @property
-    def static_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.static_x, self.static_lens, self.static_keep
+    def static_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.static_x, self.static_lens
 
     def __call__(self, x: torch.Tensor, x_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, B, F), x_lens (B,) -> f (B, ceil(T / stack), H), f_lens (B,)."""
@@ -216,8 +208,6 @@ class EncoderBucket:
         t, b = x.shape[0], x.shape[1]
         pad_into(self.static_x, x, 0)
         pad_into(self.static_lens, x_lens, 0)
-        self.static_keep[:t].fill_(1)
-        self.static_keep[t:].fill_(0)
         f, f_lens = self.fn(*self.static_inputs)
         return f[:b, : -(-t // self.stack_factor)], f_lens[:b]
 

@@ -165,7 +165,11 @@ class StackTime(nn.Module):
     """Concatenate groups of `factor` consecutive frames.
 
     x (T, B, H) -> (ceil(T / factor), B, H * factor); lengths (B,) -> ceil(lengths / factor).
-    The tail is zero-padded to a multiple of `factor`.
+    Frames at or past an utterance's length are zeroed first, so the last group of an
+    utterance whose length is not a multiple of `factor` is completed with zeros, whatever the
+    batch's padding holds (the LSTM's output for padding frames is not zero). The output then
+    depends on the utterance alone, not on how long the other utterances of its batch are:
+    the same on one rank or split over eight, and the same in a CUDA-graph bucket.
     """
 
     def __init__(self, factor: int) -> None:
@@ -174,6 +178,8 @@ class StackTime(nn.Module):
 
     def forward(self, x: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t, b, h = x.shape
+        past_end = torch.arange(t, device=x.device)[:, None] >= lens.to(x.device)[None, :]
+        x = x.masked_fill(past_end[:, :, None], 0.0)
         pad = (-t) % self.factor
         if pad:
             x = F.pad(x, (0, 0, 0, 0, 0, pad))
@@ -320,6 +326,17 @@ class RNNT(nn.Module):
         """
         f, f_lens = self.encode(x, x_lens)
         return f, f_lens, self.predict(y)
+
+
+def gradient_buckets(model: RNNT) -> list[list[nn.Parameter]]:
+    """The parameters in the order a training backward finishes their gradients: the joint's
+    output layer (first thing the loss's backward reaches), the prediction network (its
+    forward ran after the encoder's, so autograd reaches it first), then the encoder."""
+    buckets = [list(model.joint.parameters()), list(model.prediction.parameters())]
+    buckets.append(list(model.encoder.parameters()))
+    if sum(len(b) for b in buckets) != len(list(model.parameters())):
+        raise ValueError("gradient_buckets: the RNNT has parameters outside its three parts")
+    return buckets
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -163,3 +163,18 @@ def test_encoded_lengths_are_those_of_encode():
     lens = torch.tensor([9, 8, 1, 4])
     _, f_lens = model.encode(torch.zeros(9, 4, 256), lens)
     assert model.encoded_lengths(lens).tolist() == f_lens.tolist() == [5, 4, 1, 2]
+
+
+def test_an_utterance_encodes_the_same_whatever_its_batch_pads():
+    """Stack-time completes an odd-length utterance with a zero frame, not with the LSTM's
+    output for the batch's padding: alone or beside a longer utterance, the same output."""
+    torch.manual_seed(0)
+    cfg = tiny_cfg()
+    encoder = RNNT(cfg).encoder.eval()
+    short = torch.randn(7, 1, cfg.in_feats)
+    alone, alone_lens = encoder(short, torch.tensor([7]))
+    padded = torch.cat([short, torch.zeros(6, 1, cfg.in_feats)])
+    batch = torch.cat([padded, torch.randn(13, 1, cfg.in_feats)], dim=1)
+    together, lens = encoder(batch, torch.tensor([7, 13]))
+    assert alone_lens.tolist() == [4] and lens.tolist() == [4, 7]
+    torch.testing.assert_close(together[0, :4], alone[0], rtol=1e-5, atol=1e-6)
