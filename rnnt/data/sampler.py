@@ -9,7 +9,12 @@ Training epoch, as in SPEC.md, for N utterances, global batch G, k buckets and W
    (bucket purity) and the epoch is a multiple of G. With k = 1 (the published runs) this is
    plain random batching that drops N mod G utterances; with k > 1 it drops fewer than k*G.
 3. The global batches of all buckets are shuffled together (batch order).
-4. Global batch j is dealt to the ranks: rank r gets its positions [r*G/W, (r+1)*G/W).
+4. Global batch j is dealt to the ranks by length: its utterances sorted longest first are
+   dealt in snake order (rank 0, 1, ..., W-1, W-1, ..., 0, 0, 1, ...), so every rank gets G/W
+   utterances of about the same lengths. A step waits for its slowest rank; dealt in blocks of
+   random positions, one rank's longest utterance sets everybody's step time. The global batch,
+   and so the averaged gradient, is the same either way. A rank's share is ordered longest
+   first.
 
 The order is a pure function of (seed, epoch): one numpy PCG64 generator seeded with
 SeedSequence([seed, epoch]) per epoch, no global RNG state. That makes resuming cheap: the
@@ -135,8 +140,19 @@ class BucketingSampler:
 
     def rank_batches(self, epoch: int) -> np.ndarray:
         """(num_batches, G/W) int64: this rank's share of every global batch of `epoch`."""
-        lo = self.rank * self.local_batch_size
-        return self.global_batches(epoch)[:, lo : lo + self.local_batch_size]
+        plan = self.global_batches(epoch)
+        # longest first; ties keep their shuffled order
+        by_length = np.argsort(-self.durations[plan], axis=1, kind="stable")
+        ordered = np.take_along_axis(plan, by_length, axis=1)
+        return ordered[:, self._snake_positions]
+
+    @property
+    def _snake_positions(self) -> np.ndarray:
+        """Positions of this rank in a global batch sorted longest first, dealt in snake order."""
+        w, rounds = self.world_size, self.local_batch_size
+        forward = np.arange(rounds) % 2 == 0
+        seat = np.where(forward, self.rank, w - 1 - self.rank)
+        return np.arange(rounds) * w + seat
 
     def __iter__(self) -> Iterator[list[int]]:
         """The rest of the current epoch; an exhausted epoch yields nothing more."""

@@ -169,7 +169,28 @@ def test_resume_on_different_world_size_continues_the_global_sequence():
         s = BucketingSampler(durations, 8, 1, rank, 2, seed=5)
         s.load_state_dict(state)
         rest.append(list(s))
-    assert [a + b for a, b in zip(*rest)] == full[4:]
+    assert [sorted(a + b) for a, b in zip(*rest)] == [sorted(g) for g in full[4:]]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ranks_get_shares_of_equal_lengths(world):
+    """Each global batch is dealt longest first in snake order: rank r holds the r-th longest
+    utterance, and the ranks' total durations stay within one utterance of each other."""
+    durations = np.asarray(_durations(4000))
+    gbs = 48 * world
+    samplers = [BucketingSampler(durations, gbs, 1, r, world, seed=3) for r in range(world)]
+    for s in samplers:
+        s.set_epoch(2)
+    reference = BucketingSampler(durations, gbs, 1, 0, 1, seed=3)
+    reference.set_epoch(2)
+    for shares, whole in zip(zip(*samplers), reference):
+        assert sorted(sum(shares, [])) == sorted(whole)  # the same global batch
+        longest = sorted(durations[whole], reverse=True)
+        for rank, share in enumerate(shares):
+            assert durations[share[0]] == longest[rank] == max(durations[share])
+            assert list(durations[share]) == sorted(durations[share], reverse=True)
+        totals = [durations[share].sum() for share in shares]
+        assert max(totals) - min(totals) <= max(longest)
 
 
 def test_state_dict_roundtrips_through_weights_only_load(tmp_path):
