@@ -39,12 +39,58 @@ from collections.abc import Iterable
 import torch
 
 
-def _triton_available() -> bool:
+def triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def moments_and_update(
+    g: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    w: torch.Tensor,
+    coef: torch.Tensor,
+    skip: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    t: torch.Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    fused_update=None,
+) -> torch.Tensor:
+    """The elementwise part of a LAMB step on flat fp32 buffers, in place.
+
+    g (n,): gradients, still loss-scaled; coef unscales and clips them. The moments move
+    (unless `skip`, a 0-dim bool, is set: then they stay bit for bit) and g receives the update
+    u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w, which is returned. t: the step count
+    for the bias corrections. fused_update: rnnt.kernels.lamb.lamb_update_, the same maths in
+    one Triton kernel.
+    """
+    b1, b2 = betas
+    bc1, bc2 = 1.0 - torch.pow(b1, t), 1.0 - torch.pow(b2, t)
+    if fused_update is not None:
+        return fused_update(
+            g, exp_avg, exp_avg_sq, w, coef, keep, bc1, bc2, (b1, b2), eps, weight_decay
+        )
+    g.mul_(coef)
+    w1, w2 = 1.0 - b1, 1.0 - b2
+    if skip is not None:
+        # non-finite gradients become 0 and the moment decays become 1: m, v unchanged
+        g.masked_fill_(skip, 0.0)
+        w1, w2 = keep * w1, keep * w2
+    exp_avg.lerp_(g, w1)
+    exp_avg_sq.mul_(1.0 - w2).addcmul_(g, g, value=1.0 - b2)
+    # g is free again from here: it receives the update u
+    torch.div(exp_avg_sq, bc2, out=g)
+    g.sqrt_().add_(eps)
+    torch.div(exp_avg, g, out=g)
+    g.div_(bc1)
+    if weight_decay != 0:
+        g.add_(w, alpha=weight_decay)
+    return g
 
 
 class _FlatGroup:
@@ -114,7 +160,7 @@ class Lamb(torch.optim.Optimizer):
         )
         self._device = self._flat[0].exp_avg.device
         if fused is None:
-            fused = self._device.type == "cuda" and _triton_available()
+            fused = self._device.type == "cuda" and triton_available()
         self._fused_update = None
         if fused:
             from rnnt.kernels.lamb import lamb_update_
@@ -239,7 +285,10 @@ class Lamb(torch.optim.Optimizer):
             if w is None:
                 w = flat.gather(params, torch.empty_like(flat.exp_avg))
             # flat.grad receives the update u
-            update = self._moments_and_update(group, flat, g, w, coef, skip, keep, t)
+            update = moments_and_update(
+                g, flat.exp_avg, flat.exp_avg_sq, w, coef, skip, keep, t, group["betas"],
+                group["eps"], group["weight_decay"], self._fused_update,
+            )  # fmt: skip
 
             w_norms = torch.stack(torch._foreach_norm(w.split(flat.sizes)))
             u_norms = torch.stack(torch._foreach_norm(update.split(flat.sizes)))
@@ -252,31 +301,6 @@ class Lamb(torch.optim.Optimizer):
             torch._foreach_mul_(update.split(flat.sizes), list(scale.unbind()))
             w.sub_(update)
             torch._foreach_copy_(list(params), flat.views(w))
-
-    def _moments_and_update(self, group, flat, g, w, coef, skip, keep, t) -> torch.Tensor:
-        b1, b2 = group["betas"]
-        bc1, bc2 = 1.0 - torch.pow(b1, t), 1.0 - torch.pow(b2, t)
-        if self._fused_update is not None:
-            return self._fused_update(
-                g, flat.exp_avg, flat.exp_avg_sq, w, coef, keep, bc1, bc2, (b1, b2),
-                group["eps"], group["weight_decay"],
-            )  # fmt: skip
-        g.mul_(coef)
-        w1, w2 = 1.0 - b1, 1.0 - b2
-        if skip is not None:
-            # non-finite gradients become 0 and the moment decays become 1: m, v unchanged
-            g.masked_fill_(skip, 0.0)
-            w1, w2 = keep * w1, keep * w2
-        flat.exp_avg.lerp_(g, w1)
-        flat.exp_avg_sq.mul_(1.0 - w2).addcmul_(g, g, value=1.0 - b2)
-        # g is free again from here: it receives the update u
-        torch.div(flat.exp_avg_sq, bc2, out=g)
-        g.sqrt_().add_(group["eps"])
-        torch.div(flat.exp_avg, g, out=g)
-        g.div_(bc1)
-        if group["weight_decay"] != 0:
-            g.add_(w, alpha=group["weight_decay"])
-        return g
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
