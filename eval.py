@@ -1,6 +1,6 @@
 """Score a checkpoint: greedy-decode a manifest and print its WER and throughput.
 
-python eval.py configs/tiny.yaml results/tiny/checkpoints/<file>.pt
+python eval.py configs/tiny.yaml results/tiny/checkpoints/ckpt_e<E>_s<S>
 python eval.py CONFIG CKPT --mode cg_unroll_pipeline --manifest dev.jsonl --weights model
 """
 
@@ -17,7 +17,9 @@ from rnnt.config import ConfigError, add_config_args, load_config_or_exit
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     add_config_args(parser)
-    parser.add_argument("checkpoint", help="a checkpoint file written by train.py")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint directory written by train.py (ckpt_e<E>_s<S>)"
+    )
     parser.add_argument(
         "--mode",
         choices=["no_cg", "cg", "cg_unroll_pipeline"],
@@ -47,13 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"data.val_manifests={json.dumps(args.manifest)}")
     cfg = load_config_or_exit(args.config, overrides)
 
+    from rnnt.checkpoint import CheckpointError
     from rnnt.distributed import init_distributed
     from rnnt.evaluation import load_for_eval, score
 
     ctx = init_distributed(args.device)
     try:
         setup = load_for_eval(cfg, args.checkpoint, ctx, weights=args.weights)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     result = score(setup, ctx)

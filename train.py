@@ -52,10 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from rnnt.mlperf import MLPerfLogger
+    from rnnt.preemption import EXIT_PREEMPTED, Preempted, PreemptionFlag
     from rnnt.run_log import METRICS_FILE
     from rnnt.trainer import NonFiniteLossError, Trainer
 
-    ctx = init_distributed(args.device)
+    ctx = init_distributed(args.device, cfg.training.collective_timeout_s)
+    preemption = PreemptionFlag().install()
     log_path = args.mlperf_log or str(Path(cfg.training.output_dir) / "mlperf.log")
     if ctx.is_main:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     mlperf.cache_clear(args.cache_cleared)
     mlperf.init_start()
     try:
-        trainer = Trainer(cfg, ctx, mlperf)
+        trainer = Trainer(cfg, ctx, mlperf, resume=args.resume)
+        trainer.preemption = preemption
         if args.resume and not trainer.resume():
             trainer.log.info(
                 f"--resume: no checkpoint in {cfg.training.output_dir}, starting fresh"
@@ -79,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
+    except Preempted as err:
+        print(f"preempted: state saved in {err}; rerun with --resume", file=sys.stderr)
+        return EXIT_PREEMPTED
     finally:
         shutdown(ctx)
     if ctx.is_main:

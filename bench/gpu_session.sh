@@ -12,11 +12,20 @@
 #   bash bench/gpu_session.sh train       # train.py on synthetic batches: fp16, graphs, cg eval
 #   bash bench/gpu_session.sh truth       # train.py's logged utt/s against its own timestamps at
 #                                         # log frequencies 1 and 10, bench/train_step.py beside it
+#   bash bench/gpu_session.sh multi       # the NCCL tests (-m multi_gpu) on this machine's GPUs
+#   bash bench/gpu_session.sh scaling     # weak scaling of the Trainer's step on 1, 2, 4, ... GPUs
+#                                         # at 192 and 24 per GPU, exposed communication
+#   bash bench/gpu_session.sh fullrun     # train.py under torchrun on 2 and 4 GPUs, with eval
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: tests | loss | step | lstm | decode | train | truth}
+phase=${1:?phase: tests | loss | step | lstm | decode | train | truth | multi | scaling | fullrun}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
+# the spoken-digits corpus the distributed tests train on (this machine has no espeak-ng):
+# python3 -c 'from pathlib import Path; from tests.conftest import build_digits_corpus as b;
+# b(Path(".carry/digits"))' on a machine that has it
+if [ -d .carry/digits ]; then export RNNT_TEST_CORPUS=$PWD/.carry/digits; fi
+gpus=$(nvidia-smi --list-gpus | wc -l)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ -d "$WHEELS" ] && ! python3 -c "import librosa, mlperf_logging" 2>/dev/null; then
@@ -65,5 +74,30 @@ case "$phase" in
     done
     python3 bench/train_step.py --batch-sizes 192 --num-cg 4 --steps 50 --checkpoint-cost \
       --json "$OUT/train_step_truth.json" 2>&1 | tee "$OUT/train_step_truth.log" ;;
+  multi)
+    timeout 560 python3 -m pytest -q -m multi_gpu -p no:cacheprovider --durations=12 tests \
+      2>&1 | tee "$OUT/multi_gpu_tests.log" ;;
+  scaling)
+    for n in 1 2 4 8; do
+      [ "$n" -le "$gpus" ] || break
+      torchrun --standalone --nproc_per_node "$n" bench/train_step.py --batch-sizes 192 24 \
+        --num-cg 4 --steps 30 ${AVG:+--average-lengths} --json "$OUT/scaling_$n${AVG:+_avg}.json" 2>&1 \
+        | tee "$OUT/scaling_$n.log" | grep -v Warning
+    done
+    torchrun --standalone --nproc_per_node "$gpus" bench/train_step.py --batch-sizes 192 24 \
+      --num-cg 4 --steps 30 ${AVG:+--average-lengths} --set training.overlap_grad_reduce=false \
+      --json "$OUT/scaling_${gpus}_no_overlap${AVG:+_avg}.json" 2>&1 | tee "$OUT/scaling_no_overlap.log" ;;
+  fullrun)
+    for n in 2 4; do
+      [ "$n" -le "$gpus" ] || break
+      torchrun --standalone --nproc_per_node "$n" train.py configs/baseline_v3-1023sp.yaml \
+        --num_cg 4 --set data.backend=synthetic --set data.tokenizer= \
+        --set data.synthetic_steps_per_epoch="${STEPS:-40}" \
+        --set training.epochs=2 --set training.save_every_epochs=1 \
+        --set eval.mode=cg_unroll_pipeline --set training.output_dir="/tmp/rnnt_full$n" \
+        2>&1 | tee "$OUT/fullrun_$n.log" | grep -Ev "Warning|warn"
+      cp "/tmp/rnnt_full$n/metrics.jsonl" "$OUT/fullrun_metrics_$n.jsonl"
+      ls -R "/tmp/rnnt_full$n/checkpoints" > "$OUT/fullrun_checkpoints_$n.txt"
+    done ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -14,9 +14,14 @@ by the Trainer at the parts of each step (`Trainer.parts`) give
 Also reported: utterances/s, peak memory, and model FLOP utilisation against a fp16 matrix
 product timed in the same run (`rnnt.flops` counts the FLOPs from each utterance's lengths).
 `--checkpoint-cost` times a full checkpoint of the trained state: the part a background save
-blocks training for, and the write.
+blocks training for, and the write. Under torchrun every rank runs its steps (batch sizes are
+per GPU) and rank 0 reports: its step time includes waiting for the collectives.
+With several ranks it also reports the exposed communication: the time, per step, during
+which the compute stream waits for the gradients' reduce-scatter (what the backward did not
+hide) and for the weights' all-gather, from CUDA events recorded by the optimizer.
 
     python bench/train_step.py --batch-sizes 16 64 192 --num-cg 0 4 --json results/step.json
+    torchrun --nproc_per_node 4 bench/train_step.py --batch-sizes 192 24 --num-cg 4
     python bench/train_step.py --device cpu --config configs/tiny.yaml --batch-sizes 4 --steps 2
 """
 
@@ -40,7 +45,7 @@ if str(ROOT) not in sys.path:
 
 from rnnt.config import LENGTHS_DIR, add_override_arg, load_config  # noqa: E402
 from rnnt.data.batch import FeatureBatch  # noqa: E402
-from rnnt.distributed import DistContext  # noqa: E402
+from rnnt.distributed import DistContext, init_distributed, shutdown  # noqa: E402
 from rnnt.optim.schedule import lr_at  # noqa: E402
 from rnnt.throughput import StepParts  # noqa: E402
 from rnnt.trainer import Trainer  # noqa: E402
@@ -82,7 +87,7 @@ def at_average_lengths(fb: FeatureBatch, frames: int, tokens: int, vocab: int) -
     )
 
 
-def build_trainer(args, batch_size: int, num_cg: int, device: torch.device) -> Trainer:
+def build_trainer(args, batch_size: int, num_cg: int, ctx: DistContext) -> Trainer:
     steps = args.warmup + args.steps
     overrides = [
         "data.backend=synthetic",
@@ -95,10 +100,10 @@ def build_trainer(args, batch_size: int, num_cg: int, device: torch.device) -> T
         f"training.output_dir={args.cache_dir}",
         *args.overrides,
     ]
-    if device.type != "cuda":
+    if ctx.device.type != "cuda":
         overrides += ["training.precision=fp32"]
     cfg = load_config(args.config, overrides)
-    return Trainer(cfg, DistContext(rank=0, world_size=1, local_rank=0, device=device))
+    return Trainer(cfg, ctx)
 
 
 def run_steps(trainer: Trainer, args) -> tuple[list, float, float]:
@@ -147,16 +152,15 @@ def checkpoint_cost(trainer: Trainer) -> dict:
         trainer.checkpoints.wait()
         total = time.perf_counter() - t0
     return {
-        "checkpoint_gb": path.stat().st_size / 1e9,
+        "checkpoint_gb": sum(f.stat().st_size for f in path.glob("*.pt")) / 1e9,
         "checkpoint_first_blocking_s": held[0],
         "checkpoint_blocking_s": held[1],
         "checkpoint_total_s": total,
     }
 
 
-def bench_one(args, batch_size: int, num_cg: int, peak: float) -> dict:
-    device = torch.device(args.device)
-    trainer = build_trainer(args, batch_size, num_cg, device)
+def bench_one(args, ctx: DistContext, batch_size: int, num_cg: int, peak: float) -> dict:
+    trainer = build_trainer(args, batch_size, num_cg, ctx)
     host_seconds, flops, last_loss = run_steps(trainer, args)
     parts = trainer.parts
     if parts is not None:
@@ -168,26 +172,38 @@ def bench_one(args, batch_size: int, num_cg: int, peak: float) -> dict:
         backward = parts.milliseconds("loss", "joint_grads")
         joint_ms = [a + b for a, b in zip(forward, backward)]
         rest_ms = [s - j for s, j in zip(step_ms, joint_ms)]
+        # the compute stream blocked on communication: the wait for the gradients'
+        # reduce-scatter (what the backward did not hide) and the weights' all-gather
+        waits = [
+            a + b
+            for a, b in zip(
+                parts.milliseconds("reduce_wait", "reduced"),
+                parts.milliseconds("publish", "published"),
+            )
+        ]
         peak_mem = torch.cuda.max_memory_allocated() / 2**30
     else:  # CPU: every op is synchronous, so host time is the step time
         step_ms = [1e3 * s for s in host_seconds]
         total_s = sum(host_seconds)
-        joint_ms = rest_ms = None
+        joint_ms = rest_ms = waits = None
         peak_mem = 0.0
     median = statistics.median(step_ms)
     result = {
+        "world_size": ctx.world_size,
         "batch_size": batch_size,
         "num_cg": num_cg,
+        "overlap_grad_reduce": trainer.cfg.training.overlap_grad_reduce,
+        "exposed_comm_ms": statistics.median(waits) if waits and ctx.enabled else None,
         "encoder_lstm": trainer.cfg.model.encoder_lstm,
         "loss_backend": trainer.cfg.loss.backend,
         "steps": len(step_ms),
         "median_step_ms": median,
         "mean_step_ms": 1e3 * total_s / len(step_ms),
-        "utts_per_s": batch_size / (median * 1e-3),
+        "utts_per_s": ctx.world_size * batch_size / (median * 1e-3),
         "median_joint_loss_ms": statistics.median(joint_ms) if joint_ms else None,
         "median_rest_ms": statistics.median(rest_ms) if rest_ms else None,
         "peak_memory_gib": peak_mem,
-        "mfu": flops / total_s / peak,
+        "mfu": flops / total_s / peak,  # this rank's FLOPs against one GPU's peak
         "final_loss": last_loss,
         "skipped_steps": int(trainer.skipped_total),
         "loss_scale": trainer.scaler.get_scale(),
@@ -203,16 +219,17 @@ def bench_one(args, batch_size: int, num_cg: int, peak: float) -> dict:
 def print_table(rows: list[dict], peak: float) -> None:
     print(f"matmul peak: {peak / 1e12:.3f} TFLOP/s")
     print(
-        f"{'batch':>5} {'num_cg':>6} {'lstm':>6} {'step ms':>8} {'utts/s':>8} "
-        f"{'joint+loss ms':>13} {'rest ms':>8} {'peak GiB':>8} {'MFU':>6}"
+        f"{'gpus':>4} {'batch':>5} {'num_cg':>6} {'lstm':>6} {'step ms':>8} {'utts/s':>8} "
+        f"{'joint+loss ms':>13} {'rest ms':>8} {'peak GiB':>8} {'MFU':>6} {'exposed comm':>12}"
     )
     for r in rows:
         joint = "-" if r["median_joint_loss_ms"] is None else f"{r['median_joint_loss_ms']:.2f}"
         rest = "-" if r["median_rest_ms"] is None else f"{r['median_rest_ms']:.2f}"
+        comm = "-" if r["exposed_comm_ms"] is None else f"{r['exposed_comm_ms']:.3f} ms"
         print(
-            f"{r['batch_size']:>5} {r['num_cg']:>6} {r['encoder_lstm']:>6} "
+            f"{r['world_size']:>4} {r['batch_size']:>5} {r['num_cg']:>6} {r['encoder_lstm']:>6} "
             f"{r['median_step_ms']:>8.2f} {r['utts_per_s']:>8.1f} {joint:>13} {rest:>8} "
-            f"{r['peak_memory_gib']:>8.2f} {r['mfu']:>6.1%}"
+            f"{r['peak_memory_gib']:>8.2f} {r['mfu']:>6.1%} {comm:>12}"
         )
         if "checkpoint_gb" in r:
             print(
@@ -264,24 +281,29 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device (use --device cpu for a smoke run)")
+    ctx = init_distributed(device.type)
     if args.num_cg is None:
         args.num_cg = [0, 4] if device.type == "cuda" else [0]
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
 
-    peak = matmul_peak_flops(device)
+    peak = matmul_peak_flops(ctx.device)
     rows = []
     for batch_size in args.batch_sizes:
         for num_cg in args.num_cg:
-            rows.append(bench_one(args, batch_size, num_cg, peak))
+            rows.append(bench_one(args, ctx, batch_size, num_cg, peak))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    shutdown(ctx)
+    if not ctx.is_main:
+        return 0
     print_table(rows, peak)
     if args.json:
         meta = {
             "config": args.config,
             "overrides": args.overrides,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "world_size": ctx.world_size,
             "torch": torch.__version__,
             "lengths_tsv": args.lengths_tsv,
             "average_lengths": args.average_lengths,

@@ -1,16 +1,19 @@
-"""Atomic, verifiable training checkpoints with keep-last-N + best-WER retention and fall-back.
+"""Atomic, verifiable, sharded training checkpoints with retention and fall-back.
 
-A checkpoint is `ckpt_e{epoch}_s{step}.pt` (torch.save of a dict of tensors, numbers, strings,
-lists and dicts: nothing that needs pickle, so it loads with `torch.load(weights_only=True)`)
-plus a sidecar `ckpt_e{epoch}_s{step}.json` with its size and SHA-256. Both are written to a
-temporary file in the same directory, fsynced and renamed, then the directory is fsynced; the
-sidecar is written last, so a checkpoint without a sidecar, or whose size or hash disagrees
-with it, was interrupted or damaged and is never loaded. `load_latest` reports such a file
-loudly and falls back to the previous one; when checkpoints exist but none loads it raises
-rather than let a run silently start from scratch.
+A checkpoint is a directory `ckpt_e{epoch}_s{step}/` in which every rank writes its own files in
+parallel: rank 0 `model.pt` (the model, the EMA, the run's progress and config), and each rank
+`rank{r}.pt` (its optimizer shard and its random-number generators). Each file is a torch.save
+of tensors, numbers, strings, lists and dicts (nothing that needs pickle: it loads with
+`torch.load(weights_only=True)`), written to a temporary name, fsynced and renamed; then a
+sidecar `NAME.json` records its size and SHA-256. Rank 0 writes `complete.json` last, once every
+rank's sidecar of this save is there, listing every file with its size and hash. Only a
+directory with `complete.json` is a checkpoint; loading checks each file it reads against it,
+and when the newest checkpoint cannot be used on some rank, every rank falls back to the same
+older one (loudly); when none can be used, loading raises rather than let a run start afresh.
 
 A save inside the timed part of a run can go to a background thread: the call returns once the
-state sits in host memory, and the file appears (atomically, as above) while training goes on.
+state sits in host memory, and the files appear while training goes on. The ranks need no
+collective for it: rank 0's writer waits for the other ranks' sidecars on the file system.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import logging
 import os
 import random
 import re
+import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +36,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^ckpt_e(\d+)_s(\d+)\.pt$")
+_NAME = re.compile(r"^ckpt_e(\d+)_s(\d+)$")
 _TMP_SUFFIX = ".tmp"
+COMPLETE = "complete.json"
 
 
 class CheckpointError(RuntimeError):
-    """Checkpoints exist but none of them can be loaded."""
+    """Checkpoints exist but none of them can be loaded, or one could not be written."""
 
 
 class _HashingWriter:
@@ -79,6 +85,10 @@ def _write_atomic(path: Path, write) -> Any:
     return result
 
 
+def _write_json(path: Path, record: dict) -> None:
+    _write_atomic(path, lambda f: f.write(json.dumps(record, indent=1).encode()))
+
+
 def _sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -87,79 +97,155 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-class CheckpointManager:
-    """Saves and finds checkpoints in `directory` (only the main rank should save).
+def _read_json(path: Path) -> dict | None:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
 
-    Retention after each save: the `keep_last` newest complete checkpoints, plus (keep_best)
-    the one with the lowest WER among those saved with a WER, which is never deleted.
+
+class Checkpoint:
+    """One complete checkpoint directory; `load(name)` verifies a file before reading it."""
+
+    def __init__(self, path: Path, record: dict) -> None:
+        self.path = path
+        self.record = record
+        self.meta: dict = record.get("meta", {})
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(self.record["files"])
+
+    def verify(self, name: str) -> None:
+        """Raise ValueError when `name`'s file is missing, truncated or altered."""
+        entry = self.record["files"].get(name)
+        if entry is None:
+            raise ValueError(f"{self.path.name} has no file '{name}'")
+        path = self.path / f"{name}.pt"
+        if not path.is_file():
+            raise ValueError(f"{path} is missing")
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise ValueError(f"{path}: size {size} bytes, but {entry['size']} were written")
+        if _sha256_file(path) != entry["sha256"]:
+            raise ValueError(f"{path}: SHA-256 differs from the one recorded at save (corrupted)")
+
+    def load(self, name: str, map_location=None, verified: bool = False) -> dict:
+        if not verified:
+            self.verify(name)
+        return torch.load(self.path / f"{name}.pt", map_location=map_location, weights_only=True)
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """A checkpoint directory (or a file inside it) written by CheckpointManager."""
+    path = Path(path)
+    directory = path if path.is_dir() else path.parent
+    record = _read_json(directory / COMPLETE)
+    if record is None or "files" not in record:
+        raise CheckpointError(f"{directory} is not a complete checkpoint (no {COMPLETE})")
+    return Checkpoint(directory, record)
+
+
+class CheckpointManager:
+    """Saves and finds checkpoints in `directory`; every rank makes one and calls `save` at the
+    same points of the run.
+
+    Retention (rank 0, after each complete save): the `keep_last` newest checkpoints, plus
+    (keep_best) the one with the lowest WER among those saved with a WER, which is never
+    deleted; unfinished directories older than the newest complete one go too.
     """
 
-    def __init__(self, directory: str | Path, keep_last: int = 2, keep_best: bool = True) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        keep_last: int = 2,
+        keep_best: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        commit_timeout_s: float = 600.0,
+    ) -> None:
         if keep_last < 1:
             raise ValueError(f"CheckpointManager: keep_last must be >= 1, got {keep_last}")
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.keep_best = keep_best
+        self.rank = rank
+        self.world_size = world_size
+        self.commit_timeout_s = commit_timeout_s
+        self._saves = 0
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
 
     # ------------------------------------------------------------------------------ listing
-    def _checkpoints(self) -> list[tuple[int, int, Path]]:
-        """(step, epoch, path) of every checkpoint file, newest first."""
+    def _directories(self) -> list[tuple[int, int, Path]]:
+        """(step, epoch, path) of every checkpoint directory, newest first."""
         if not self.directory.is_dir():
             return []
         found = []
         for path in self.directory.iterdir():
             match = _NAME.match(path.name)
-            if match:
+            if match and path.is_dir():
                 found.append((int(match.group(2)), int(match.group(1)), path))
         return sorted(found, reverse=True)
 
-    @staticmethod
-    def _sidecar(path: Path) -> Path:
-        return path.with_suffix(".json")
+    def complete(self) -> list[Checkpoint]:
+        """Every complete checkpoint, newest first."""
+        out = []
+        for _, _, path in self._directories():
+            record = _read_json(path / COMPLETE)
+            if record is not None and "files" in record:
+                out.append(Checkpoint(path, record))
+        return out
 
-    def _read_sidecar(self, path: Path) -> dict:
-        """The sidecar of `path` after checking it against the file; ValueError says why not."""
-        sidecar = self._sidecar(path)
-        if not sidecar.is_file():
-            raise ValueError(f"no completeness record {sidecar.name} (save interrupted?)")
-        try:
-            meta = json.loads(sidecar.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{sidecar.name} is not valid JSON ({err})") from None
-        size = path.stat().st_size
-        if size != meta.get("size"):
-            raise ValueError(f"size {size} bytes, but {meta.get('size')} were written (truncated?)")
-        if _sha256_file(path) != meta.get("sha256"):
-            raise ValueError("SHA-256 differs from the one recorded at save (corrupted)")
-        return meta
+    def best(self) -> tuple[Path, float] | None:
+        """The complete checkpoint with the lowest recorded WER, if any."""
+        with_wer = [
+            (c.meta["wer"], c.path) for c in self.complete() if c.meta.get("wer") is not None
+        ]
+        if not with_wer:
+            return None
+        wer, path = min(with_wer)
+        return path, float(wer)
 
     # ------------------------------------------------------------------------------ saving
     def save(
-        self, state: dict, epoch: int, step: int, wer: float | None, background: bool = False
+        self,
+        files: dict[str, dict],
+        epoch: int,
+        step: int,
+        meta: dict | None = None,
+        background: bool = False,
     ) -> Path:
-        """Write `state` atomically, record its completeness, apply retention; returns the path.
+        """Write this rank's `files` (name -> state) into the checkpoint of (epoch, step).
 
-        The state is first copied to host memory, so training may change its tensors as soon
-        as this returns. background=True then writes the file on a thread (one write at a
-        time: a new save waits for the previous one); `wait()` joins it and re-raises its error.
+        Rank 0 also commits the checkpoint once every rank's files are written. The states are
+        first copied to host memory, so training may change its tensors as soon as this
+        returns; background=True then writes on a thread (one save at a time: a new save waits
+        for the previous one), and `wait()` joins it and raises what it failed with.
         """
         self.wait()
-        host_state = _to_host(state)
-        path = self.directory / f"ckpt_e{epoch}_s{step}.pt"
-        if not background:
-            self._write(host_state, path, epoch, step, wer)
-            return path
+        self._saves += 1
+        token = f"{epoch}:{step}:{self._saves}"
+        host_files = _to_host(files)
+        path = self.directory / f"ckpt_e{epoch}_s{step}"
+        record = {"epoch": epoch, "step": step, **(meta or {})}
 
         def write() -> None:
+            self._write(host_files, path, token, record)
+
+        if not background:
+            write()
+            return path
+
+        def write_in_background() -> None:
             try:
-                self._write(host_state, path, epoch, step, wer)
+                write()
             except BaseException as err:  # handed to the training thread by wait()
                 self._error = err
 
         # not a daemon: an exiting interpreter finishes the write rather than drop it
-        self._writer = threading.Thread(target=write, name="checkpoint-writer")
+        self._writer = threading.Thread(target=write_in_background, name="checkpoint-writer")
         self._writer.start()
         return path
 
@@ -170,88 +256,111 @@ class CheckpointManager:
             self._writer = None
         if self._error is not None:
             err, self._error = self._error, None
-            raise CheckpointError(
-                f"writing a checkpoint in {self.directory} failed: {err}"
-            ) from err
+            raise CheckpointError(f"writing a checkpoint in {self.directory}: {err}") from err
 
-    def _write(self, state: dict, path: Path, epoch: int, step: int, wer: float | None) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        sidecar = self._sidecar(path)
-        sidecar.unlink(missing_ok=True)  # an older record must never vouch for the new file
+    def _write(self, files: dict[str, dict], path: Path, token: str, record: dict) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            (path / COMPLETE).unlink(missing_ok=True)  # an older record must never vouch
+        for name, state in files.items():
+            sidecar = path / f"{name}.json"
+            sidecar.unlink(missing_ok=True)
 
-        def write_state(f) -> _HashingWriter:
-            writer = _HashingWriter(f)
-            torch.save(state, writer)
-            return writer
+            def write_state(f, state=state) -> _HashingWriter:
+                writer = _HashingWriter(f)
+                torch.save(state, writer)
+                return writer
 
-        writer = _write_atomic(path, write_state)
-        meta = {
-            "file": path.name,
-            "size": writer.size,
-            "sha256": writer.sha256.hexdigest(),
-            "epoch": epoch,
-            "step": step,
-            "wer": wer,
-            "saved_at": time.time(),
-        }
-        _write_atomic(sidecar, lambda f: f.write(json.dumps(meta, indent=1).encode()))
-        self._retain()
+            writer = _write_atomic(path / f"{name}.pt", write_state)
+            _write_json(
+                sidecar, {"size": writer.size, "sha256": writer.sha256.hexdigest(), "token": token}
+            )
+        if self.rank == 0:
+            self._commit(path, token, record)
+            self._retain()
+
+    def _commit(self, path: Path, token: str, record: dict) -> None:
+        """Wait for every rank's sidecars of this save, then write the completeness record."""
+        deadline = time.monotonic() + self.commit_timeout_s
+        while True:
+            entries = {}
+            for sidecar in path.glob("*.json"):
+                if sidecar.name == COMPLETE:
+                    continue
+                entry = _read_json(sidecar)
+                if entry is not None and entry.get("token") == token:
+                    entries[sidecar.stem] = {"size": entry["size"], "sha256": entry["sha256"]}
+            ranks = {f"rank{r}" for r in range(self.world_size)}
+            if ranks <= set(entries):
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(ranks - set(entries))
+                raise CheckpointError(
+                    f"{path}: {', '.join(missing)} not written within "
+                    f"{self.commit_timeout_s:.0f} s; the checkpoint stays incomplete"
+                )
+            time.sleep(0.05)
+        _write_json(
+            path / COMPLETE,
+            {
+                "files": entries,
+                "world_size": self.world_size,
+                "saved_at": time.time(),
+                "meta": record,
+            },
+        )
 
     def _retain(self) -> None:
-        complete, incomplete = [], []
-        for _, _, path in self._checkpoints():
-            sidecar = self._sidecar(path)
-            meta = None
-            if sidecar.is_file():
-                try:
-                    meta = json.loads(sidecar.read_text())
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    meta = None
-            (complete if meta is not None else incomplete).append((path, meta))
-        keep = {path for path, _ in complete[: self.keep_last]}
-        with_wer = [(meta["wer"], path) for path, meta in complete if meta.get("wer") is not None]
+        complete = self.complete()
+        keep = {c.path for c in complete[: self.keep_last]}
+        with_wer = [(c.meta["wer"], c.path) for c in complete if c.meta.get("wer") is not None]
         if self.keep_best and with_wer:
             keep.add(min(with_wer)[1])
-        for path, _ in complete + incomplete:
-            if path not in keep:
-                # the record goes first: a half-deleted checkpoint reads as incomplete
-                self._sidecar(path).unlink(missing_ok=True)
-                path.unlink(missing_ok=True)
-        for tmp in self.directory.glob(f"*{_TMP_SUFFIX}"):
-            tmp.unlink(missing_ok=True)
+        newest_step = int(_NAME.match(complete[0].path.name).group(2)) if complete else None
+        for step, _, path in self._directories():
+            if path in keep:
+                continue
+            if not (path / COMPLETE).is_file() and (newest_step is None or step >= newest_step):
+                continue  # a save still being written (or newer than every complete one)
+            # the record goes first: a half-deleted checkpoint reads as incomplete
+            (path / COMPLETE).unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------------------ loading
-    def best(self) -> tuple[Path, float] | None:
-        """The complete checkpoint with the lowest recorded WER, if any."""
-        best = None
-        for _, _, path in self._checkpoints():
-            try:
-                meta = json.loads(self._sidecar(path).read_text())
-            except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-                continue
-            if meta.get("wer") is not None and (best is None or meta["wer"] < best[1]):
-                best = (path, float(meta["wer"]))
-        return best
+    def load_latest(
+        self,
+        names: Callable[[Checkpoint], list[str]],
+        map_location=None,
+        agree: Callable[[bool], bool] = lambda ok: ok,
+    ) -> tuple[dict[str, dict], Checkpoint] | None:
+        """The newest checkpoint that loads on every rank, as ({name: state}, checkpoint); None
+        when the directory holds no complete checkpoint.
 
-    def load_latest(self, map_location=None) -> tuple[dict, Path] | None:
-        """The newest checkpoint that is complete and loads, as (state, path); None when the
-        directory holds no checkpoint. Damaged newer ones are logged as errors and skipped."""
-        candidates = self._checkpoints()
+        names(checkpoint): the files this rank reads from it. agree(ok): True when `ok` is true
+        on every rank (a collective): a checkpoint damaged on one rank is skipped by all.
+        """
+        candidates = self.complete()
         if not candidates:
             return None
         problems = []
-        for _, _, path in candidates:
+        for checkpoint in candidates:
+            states: dict[str, dict] = {}
             try:
-                self._read_sidecar(path)
-                state = torch.load(path, map_location=map_location, weights_only=True)
+                for name in names(checkpoint):
+                    states[name] = checkpoint.load(name, map_location)
+                ok = True
             except Exception as err:  # any unreadable file must fall back, with its reason
                 reason = f"{type(err).__name__}: {err}".splitlines()[0]
-                log.error("checkpoint %s cannot be used: %s; trying an older one", path, reason)
-                problems.append(f"{path}: {reason}")
+                log.error("checkpoint %s cannot be used: %s", checkpoint.path, reason)
+                problems.append(f"{checkpoint.path}: {reason}")
+                ok = False
+            if not agree(ok):
+                if ok:
+                    problems.append(f"{checkpoint.path}: unusable on another rank")
                 continue
             if problems:
-                log.error("resuming from the older checkpoint %s", path)
-            return state, path
+                log.error("resuming from the older checkpoint %s", checkpoint.path)
+            return states, checkpoint
         raise CheckpointError(
             f"{len(candidates)} checkpoint(s) in {self.directory} but none can be loaded "
             "(refusing to start from scratch):\n  " + "\n  ".join(problems)
@@ -289,13 +398,13 @@ def _to_host(state: Any) -> Any:
 
 # ---------------------------------------------------------------------------------- RNG state
 def capture_rng_state() -> dict:
-    """Torch CPU, every CUDA device, numpy and python `random` generator states, as tensors,
-    numbers and lists only (so checkpoints load with weights_only=True)."""
+    """Torch CPU, the current CUDA device, numpy and python `random` generator states, as
+    tensors, numbers and lists only (so checkpoints load with weights_only=True)."""
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     py_version, py_internal, py_gauss_next = random.getstate()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "numpy": {
             "name": np_name,
             "keys": torch.from_numpy(np_keys.astype(np.int64)),
@@ -310,10 +419,8 @@ def capture_rng_state() -> dict:
 def restore_rng_state(state: dict) -> None:
     """Inverse of `capture_rng_state` (tensors may come back on any device)."""
     torch.set_rng_state(state["torch"].cpu())
-    if state["cuda"] and torch.cuda.is_available():
-        count = min(len(state["cuda"]), torch.cuda.device_count())
-        for device in range(count):
-            torch.cuda.set_rng_state(state["cuda"][device].cpu(), device)
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu())
     npst = state["numpy"]
     np.random.set_state(
         (

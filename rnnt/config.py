@@ -139,7 +139,7 @@ class TrainingConfig:
     epochs: int = 80
     precision: str = "fp16"  # fp32 | fp16 | bf16
     init_loss_scale: float = 512.0
-    seed: int = 1
+    seed: int | None = None  # None: drawn from os.urandom per run (MLPerf), logged and saved
     num_cg: int = 0  # CUDA graphs per network (0 = eager)
     target_wer: float = 0.058
     output_dir: str = "results"
@@ -150,6 +150,12 @@ class TrainingConfig:
     save_every_epochs: int = 1
     checkpoint_every_steps: int = 0  # also save mid-epoch (0 = only at epoch ends)
     max_consecutive_nonfinite: int = 100
+    # seconds any collective (and a checkpoint's commit) may wait for the other ranks: past
+    # it a dead or stuck rank ends the job instead of hanging it
+    collective_timeout_s: float = 600.0
+    # reduce-scatter each gradient bucket as soon as the backward has finished it (False:
+    # all buckets after the backward, for measuring what the overlap hides)
+    overlap_grad_reduce: bool = True
     # the dense fp16 matrix peak that the logged MFU is relative to; 0: the datasheet value of
     # a known GPU (rnnt/flops.py), none on the CPU
     peak_tflops: float = 0.0

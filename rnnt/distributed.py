@@ -1,17 +1,26 @@
-"""Process-group setup and the few collectives the trainer needs.
+"""Process-group setup and the few collectives outside the optimizer.
 
-There is no DistributedDataParallel: gradients are averaged explicitly before the optimizer
-step (one flat all-reduce per dtype), which is what a distributed optimizer will take over.
-Works with `python train.py` (one process) and under `torchrun` (env:// rendezvous).
+One process per GPU, started by `torchrun` (its RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR
+variables) or by `srun` with one task per GPU (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; the
+rendezvous address is the job's first node unless MASTER_ADDR is set). NCCL on GPUs, gloo on CPU.
+Every collective has a timeout, and NCCL's asynchronous error handling tears a process down when
+a peer dies, so a lost rank ends the job instead of hanging it.
+
+Every tensor handed to a collective lives on the rank's device: NCCL has no CPU backend, and
+gloo, which CI runs, would accept a CPU tensor that NCCL refuses.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from rnnt.seeds import draw_seed
 
 
 @dataclass
@@ -30,14 +39,39 @@ class DistContext:
         return self.world_size > 1
 
 
-def init_distributed(device: str = "auto") -> DistContext:
-    """Join the process group torchrun describes in the environment (or run alone).
+def first_slurm_host(nodelist: str) -> str:
+    """The first host name of a SLURM node list such as 'dgx[03-05,09],login1'."""
+    head = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if head is None or not head.group(1):
+        raise ValueError(f"cannot read a host name from the SLURM node list {nodelist!r}")
+    prefix, ranges = head.group(1), head.group(3)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
 
-    device: "auto" (CUDA when available), "cuda" or "cpu".
+
+def _launcher_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's or SLURM's environment; sets the
+    rendezvous variables env:// reads when SLURM started the processes."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+        env.setdefault("MASTER_ADDR", first_slurm_host(nodelist) if nodelist else "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"])
+    return 0, 1, 0
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistContext:
+    """Join the process group that torchrun or srun describe (or run alone).
+
+    device: "auto" (CUDA when available), "cuda" or "cpu". timeout_s bounds every collective:
+    past it, a rank waiting for a dead peer raises instead of hanging.
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world_size, local_rank = _launcher_env()
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' requested but no CUDA device is available")
@@ -47,26 +81,38 @@ def init_distributed(device: str = "auto") -> DistContext:
     else:
         dev = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        # a failed or timed-out NCCL collective aborts the communicator and ends the process
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            store=_attempt_store(world_size, timeout_s),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=dev if use_cuda else None,
+        )
     return DistContext(rank, world_size, local_rank, dev)
 
 
-def all_reduce_mean_(tensors: list[torch.Tensor], ctx: DistContext) -> None:
-    """Average `tensors` over ranks in place, one flat all-reduce per dtype."""
-    if not ctx.enabled or not tensors:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for group in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in group])
-        dist.all_reduce(flat)
-        flat.div_(ctx.world_size)
-        offset = 0
-        for t in group:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+def _attempt_store(world_size: int, timeout_s: float) -> dist.Store | None:
+    """The rendezvous store, with keys of their own for each restart of a torchrun job.
+
+    torchrun (--max-restarts) keeps one store for every attempt. Without a prefix, a restarted
+    rank can read what the previous attempt's rank 0 wrote there (NCCL's unique id, gloo's
+    addresses), connect to a process that is gone, and fail the restart. None: env:// (a
+    store of its own per launch) does.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return dist.PrefixStore(f"rnnt/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def all_reduce_max_(value: torch.Tensor, ctx: DistContext) -> None:
@@ -76,15 +122,39 @@ def all_reduce_max_(value: torch.Tensor, ctx: DistContext) -> None:
 
 
 def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """The sum over ranks of `values`, which must live on the rank's device."""
+    if values.device != ctx.device:
+        raise ValueError(
+            f"all_reduce_sum: a tensor on {values.device}, the rank's device is {ctx.device}"
+        )
     if ctx.enabled:
         values = values.clone()
         dist.all_reduce(values)
     return values
 
 
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """True on every rank when `flag` is true on any (a host sync)."""
+    if not ctx.enabled:
+        return flag
+    value = torch.tensor([float(flag)], device=ctx.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def agree_on_seed(seed: int | None, ctx: DistContext) -> int:
+    """The run's seed: `seed`, or one rank 0 draws from os.urandom, the same on every rank."""
+    if seed is not None:
+        return seed
+    value = torch.tensor([draw_seed() if ctx.is_main else 0], dtype=torch.int64, device=ctx.device)
+    if ctx.enabled:
+        dist.broadcast(value, src=0)
+    return int(value.item())
+
+
 def barrier(ctx: DistContext) -> None:
     if ctx.enabled:
-        dist.barrier()
+        dist.barrier(device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
 
 
 def shutdown(ctx: DistContext) -> None:

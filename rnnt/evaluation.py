@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from rnnt.checkpoint import open_checkpoint
 from rnnt.config import Config, ConfigError
 from rnnt.data.augment import BatchTransform
 from rnnt.data.loader import build_loader
@@ -60,7 +61,8 @@ def evaluate(
             errors += e
             words += w
             rows.append((utt_id, hyp, ref))
-    totals = all_reduce_sum(torch.tensor([errors, words, len(rows)], dtype=torch.float64), ctx)
+    counts = torch.tensor([errors, words, len(rows)], dtype=torch.float64, device=ctx.device)
+    totals = all_reduce_sum(counts, ctx)
     errors, words, count = (int(v) for v in totals.tolist())
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
@@ -107,11 +109,12 @@ class EvalSetup:
 
 
 def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str = "ema"):
-    """Build the eval model from `cfg`, load the checkpoint's EMA (or raw) weights into it."""
+    """Build the eval model from `cfg`, load the EMA (or raw) weights of a checkpoint (its
+    directory, or its model.pt) into it."""
     path = Path(checkpoint)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = open_checkpoint(path).load("model", map_location="cpu")
     dtype = DTYPES[cfg.training.precision] if ctx.device.type == "cuda" else torch.float32
     model = RNNT(cfg.model).to(ctx.device)
     if weights == "ema":

@@ -86,6 +86,7 @@ class MLPerfLogger:
         """Every hyperparameter key the rnnt rules require, from the run's configuration."""
         opt, feats, spec = cfg.optimizer, cfg.features, cfg.features.spec_augment
         values = [
+            (C.SEED, cfg.training.seed),
             (C.GLOBAL_BATCH_SIZE, global_batch_size),
             (C.GRADIENT_ACCUMULATION_STEPS, grad_accumulation),
             (C.TRAIN_SAMPLES, train_samples),

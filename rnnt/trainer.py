@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rnnt.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from rnnt.checkpoint import Checkpoint, CheckpointManager, capture_rng_state, restore_rng_state
 from rnnt.config import Config, ConfigError, to_dict
 from rnnt.data.augment import BatchTransform
 from rnnt.data.batch import FeatureBatch
@@ -24,7 +24,7 @@ from rnnt.data.manifest import Utterance, read_manifest
 from rnnt.data.sampler import BucketingSampler
 from rnnt.data.synthetic import SyntheticFeatureSource, tokenizer_for_lengths_table
 from rnnt.data.tokenizer import Tokenizer
-from rnnt.distributed import DistContext, all_reduce_max_, all_reduce_mean_
+from rnnt.distributed import DistContext, agree_on_seed, any_rank, barrier
 from rnnt.evaluation import (
     DTYPES,
     EvalResult,
@@ -36,12 +36,14 @@ from rnnt.evaluation import (
 from rnnt.flops import peak_flops, step_flops
 from rnnt.loss import TransducerLoss
 from rnnt.mlperf import MLPerfLogger
-from rnnt.model import RNNT
+from rnnt.model import RNNT, gradient_buckets
+from rnnt.optim.distributed_lamb import DistributedLamb
 from rnnt.optim.ema import EMA
-from rnnt.optim.lamb import Lamb
 from rnnt.optim.loss_scaler import DynamicLossScaler
 from rnnt.optim.schedule import lr_at
+from rnnt.preemption import Preempted, PreemptionFlag
 from rnnt.run_log import RunLog
+from rnnt.seeds import rank_seeds
 from rnnt.throughput import StepParts, ThroughputWindow
 
 
@@ -57,7 +59,15 @@ class Progress:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: DistContext, mlperf: MLPerfLogger | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: DistContext,
+        mlperf: MLPerfLogger | None = None,
+        resume: bool = False,
+    ):
+        """resume: continue the run of output_dir (`resume()` loads its newest checkpoint);
+        its seed is the saved one unless the config names one."""
         self.cfg = cfg
         self.ctx = ctx
         tcfg = cfg.training
@@ -73,7 +83,23 @@ class Trainer:
         self.log = RunLog(self.out_dir, is_main=ctx.is_main)
         self.progress = Progress()
         self.batches_done = 0  # batches trained in the current epoch
-        torch.manual_seed(tcfg.seed + ctx.rank)
+        self.checkpoints = CheckpointManager(
+            self.out_dir / "checkpoints",
+            keep_last=tcfg.keep_last_checkpoints,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            commit_timeout_s=tcfg.collective_timeout_s,
+        )
+        saved_seed = None
+        if resume and tcfg.seed is None:
+            newest = self.checkpoints.complete()
+            saved_seed = newest[0].meta.get("seed") if newest else None
+        tcfg.seed = agree_on_seed(tcfg.seed if tcfg.seed is not None else saved_seed, ctx)
+        self.seeds = rank_seeds(tcfg.seed, ctx.rank)
+        self.log.info(f"seed {tcfg.seed} ({ctx.world_size} rank(s) derive theirs from it)")
+        torch.manual_seed(self.seeds.torch)
+        # set by train.py; the loop checks it at its log points
+        self.preemption: PreemptionFlag | None = None
         if tcfg.deterministic:
             torch.use_deterministic_algorithms(True)
 
@@ -175,18 +201,20 @@ class Trainer:
         ocfg = cfg.optimizer
         self.model = RNNT(cfg.model).to(ctx.device)
         self._broadcast_parameters()  # no DDP wrapper: every rank starts from rank 0's weights
-        self.ema = EMA(self.model, ocfg.ema)
         # Built on the fp32 initial weights, so the fp32 masters are exact, then cast.
-        self.optimizer = Lamb(
-            self.model.parameters(),
-            lr=ocfg.lr,
+        self.optimizer = DistributedLamb(
+            gradient_buckets(self.model),
+            ctx,
             betas=(ocfg.beta1, ocfg.beta2),
             eps=ocfg.eps,
             weight_decay=ocfg.weight_decay,
             max_grad_norm=ocfg.clip_norm,
-            master_weights=self.dtype != torch.float32,
+            overlap=cfg.training.overlap_grad_reduce,
         )
         self.model.to(self.dtype)
+        self.optimizer.bind_grads()
+        # the EMA of this rank's shard of the fp32 masters; evaluation gathers it
+        self.ema = EMA([self.optimizer.master], ocfg.ema)
         self.scaler = DynamicLossScaler(
             ctx.device,
             init_scale=cfg.training.init_loss_scale,
@@ -195,7 +223,7 @@ class Trainer:
         self.loss_fn = TransducerLoss(cfg.loss.backend, self.model.blank_idx, cfg.loss.fused_gemm)
         self.loss_fn.prepare(self.model.joint)  # any kernel build happens before run_start
         self.augment_generator = torch.Generator(device=ctx.device)
-        self.augment_generator.manual_seed(cfg.training.seed * 1000 + ctx.rank)
+        self.augment_generator.manual_seed(self.seeds.augment)
         self.train_transform = BatchTransform(
             cfg.features, train=True, dtype=self.dtype, generator=self.augment_generator
         )
@@ -204,9 +232,6 @@ class Trainer:
         # captured on it stay valid and the training weights are never swapped out.
         self.eval_model = RNNT(cfg.model).to(ctx.device, self.dtype).eval()
         self.decoder = build_decoder(cfg, self.eval_model)
-        self.checkpoints = CheckpointManager(
-            self.out_dir / "checkpoints", keep_last=cfg.training.keep_last_checkpoints
-        )
         self.graphs = None
         if cfg.training.num_cg > 0:
             if ctx.device.type != "cuda":
@@ -236,24 +261,41 @@ class Trainer:
                 dist.broadcast(p.data, src=0)
 
     # ---------------------------------------------------------------------------- state
-    def state_dict(self) -> dict:
-        return {
-            "model": self.model.state_dict(),
-            "ema": self.ema.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "progress": {
-                "epoch": self.progress.epoch,
-                "step": self.progress.step,
-                "best_wer": self.progress.best_wer,
-            },
-            "sampler": self._sampler_state(),
-            "skipped_total": self.skipped_total.cpu(),
-            "skipped_in_a_row": self.skipped_in_a_row.cpu(),
-            "augment_rng": self.augment_generator.get_state(),
-            "rng": capture_rng_state(),
-            "config": to_dict(self.cfg),
+    def _full_ema(self) -> list[torch.Tensor]:
+        """The EMA of every parameter in model.parameters() order (a collective: every rank
+        holds a shard of it)."""
+        full = self.optimizer.gather(self.ema.weights[0])
+        by_param = dict(zip(map(id, self.optimizer.params), self.optimizer.layout.views(full)))
+        return [by_param[id(p)] for p in self.model.parameters()]
+
+    def state_files(self) -> dict[str, dict]:
+        """The files this rank writes into a checkpoint: its optimizer shard and random
+        generators, and on rank 0 the model, the EMA and the run's position (a collective)."""
+        files = {
+            f"rank{self.ctx.rank}": {
+                "optimizer": self.optimizer.state_dict(),
+                "rng": capture_rng_state(),
+                "augment_rng": self.augment_generator.get_state(),
+            }
         }
+        ema = self._full_ema()
+        if self.ctx.is_main:
+            files["model"] = {
+                "model": self.model.state_dict(),
+                "ema": {"decay": self.ema.decay, "weights": ema},
+                "scaler": self.scaler.state_dict(),
+                "progress": {
+                    "epoch": self.progress.epoch,
+                    "step": self.progress.step,
+                    "best_wer": self.progress.best_wer,
+                },
+                "sampler": self._sampler_state(),
+                "skipped_total": self.skipped_total.cpu(),
+                "skipped_in_a_row": self.skipped_in_a_row.cpu(),
+                "config": to_dict(self.cfg),
+                "world_size": self.ctx.world_size,
+            }
+        return files
 
     def _sampler_state(self) -> dict:
         if self.cfg.data.backend == "synthetic":
@@ -261,42 +303,71 @@ class Trainer:
         # the loader prefetches: record the batches actually trained, not those handed out
         return self.sampler.state_dict(batches_done=self.batches_done)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.ema.load_state_dict(state["ema"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        p = state["progress"]
+    def load_state(self, states: dict[str, dict], checkpoint: Checkpoint) -> None:
+        main = states["model"]
+        self.model.load_state_dict(main["model"])
+        shards = [v["optimizer"] for k, v in states.items() if k.startswith("rank")]
+        self.optimizer.load_state_dicts(shards)
+        ema = main["ema"]
+        self.ema.decay = float(ema["decay"])
+        by_param = dict(zip(map(id, self.model.parameters()), ema["weights"]))
+        full = torch.zeros(self.optimizer.layout.numel, device=self.ctx.device)
+        torch._foreach_copy_(
+            self.optimizer.layout.views(full), [by_param[id(p)] for p in self.optimizer.params]
+        )
+        self.ema.weights[0].copy_(self.optimizer.layout.shard_of(full, self.ctx.rank))
+        self.scaler.load_state_dict(main["scaler"])
+        p = main["progress"]
         self.progress = Progress(int(p["epoch"]), int(p["step"]), float(p["best_wer"]))
-        self.sampler.load_state_dict(state["sampler"])
-        self.batches_done = int(state["sampler"]["batches_done"])
-        self.skipped_total.copy_(state["skipped_total"])
-        self.skipped_in_a_row.copy_(state["skipped_in_a_row"])
-        self.augment_generator.set_state(state["augment_rng"])
-        restore_rng_state(state["rng"])
+        self.sampler.load_state_dict(main["sampler"])
+        self.batches_done = int(main["sampler"]["batches_done"])
+        self.skipped_total.copy_(main["skipped_total"])
+        self.skipped_in_a_row.copy_(main["skipped_in_a_row"])
+        own = states.get(f"rank{self.ctx.rank}")
+        if checkpoint.record.get("world_size") == self.ctx.world_size and own is not None:
+            self.augment_generator.set_state(own["augment_rng"].cpu())
+            restore_rng_state(own["rng"])
+        else:  # another world size: no rank's streams carry over, so derive them afresh
+            self.log.info(
+                f"{checkpoint.path.name} was written by {checkpoint.record.get('world_size')} "
+                f"rank(s); the optimizer state was cut anew for {self.ctx.world_size}, and the "
+                "random streams restart from the seed and the step"
+            )
+            torch.manual_seed(self.seeds.torch + self.progress.step)
+            self.augment_generator.manual_seed(self.seeds.augment + self.progress.step)
 
     def resume(self) -> bool:
-        """Load the newest complete checkpoint of output_dir; False when there is none."""
-        loaded = self.checkpoints.load_latest(map_location=self.ctx.device)
+        """Load the newest checkpoint of output_dir that every rank can read; False when there
+        is none."""
+        rank, world = self.ctx.rank, self.ctx.world_size
+
+        def files(checkpoint: Checkpoint) -> list[str]:
+            if checkpoint.record.get("world_size") == world:
+                return ["model", f"rank{rank}"]
+            return ["model"] + [f"rank{r}" for r in range(checkpoint.record["world_size"])]
+
+        loaded = self.checkpoints.load_latest(
+            files, map_location=self.ctx.device, agree=lambda ok: not any_rank(not ok, self.ctx)
+        )
         if loaded is None:
             return False
-        state, path = loaded
-        self.load_state_dict(state)
+        states, checkpoint = loaded
+        self.load_state(states, checkpoint)
         self.log.info(
-            f"resumed from {path} at epoch {self.progress.epoch}, step {self.progress.step}"
+            f"resumed from {checkpoint.path} at epoch {self.progress.epoch}, "
+            f"step {self.progress.step}"
         )
         return True
 
-    def save(self, wer: float | None = None, background: bool = False) -> Path | None:
-        """Checkpoint the whole training state (main rank). background: return once the state
-        is in host memory and write the file while training goes on."""
-        if not self.ctx.is_main:
-            return None
+    def save(self, wer: float | None = None, background: bool = False) -> Path:
+        """Checkpoint the whole training state; every rank calls it at the same point and
+        writes its own files. background: return once the state is in host memory and write
+        the files while training goes on."""
         return self.checkpoints.save(
-            self.state_dict(),
+            self.state_files(),
             epoch=self.progress.epoch,
             step=self.progress.step,
-            wer=wer,
+            meta={"wer": wer, "seed": self.cfg.training.seed},
             background=background,
         )
 
@@ -335,29 +406,28 @@ class Trainer:
         parts = self.parts
         if parts is not None:
             parts.mark("start")
-        accum = self.cfg.training.grad_accumulation
+        self.optimizer.parts = parts
+        micro = _split(batch, self.cfg.training.grad_accumulation)
+        # the optimizer sums gradients over ranks: each rank's share of the global mean
+        divisor = len(micro) * self.ctx.world_size
         loss_sum = torch.zeros((), device=self.ctx.device)
         self.last_step_flops = 0
-        for mb in _split(batch, accum):
+        for i, mb in enumerate(micro):
+            if i == len(micro) - 1:
+                self.optimizer.arm()  # this backward finishes the gradients: reduce them
             loss, flops = self._forward_loss(mb)
-            self.scaler.scale_loss(loss / accum).backward()
+            self.scaler.scale_loss(loss / divisor).backward()
             loss_sum += loss.detach().float()
             self.last_step_flops += flops
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        all_reduce_mean_(grads, self.ctx)
-        found_inf = found_nonfinite(grads, loss_sum, self.ctx)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step(grad_scale=self.scaler.grad_scale, found_inf=found_inf)
+        found_inf = self.optimizer.step(lr, self.scaler.grad_scale, loss_sum)
         self.scaler.update(found_inf)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.ema.update(self.optimizer.master_params())
+        self.ema.update([self.optimizer.master])
         skipped = found_inf.to(torch.int64)
         self.skipped_total += skipped
         self.skipped_in_a_row.mul_(skipped).add_(skipped)
         if parts is not None:
             parts.mark("end")
-        return loss_sum / accum
+        return loss_sum / len(micro)
 
     def _check_nonfinite(self, in_a_row: int) -> None:
         limit = self.cfg.training.max_consecutive_nonfinite
@@ -418,6 +488,7 @@ class Trainer:
             self.window.add_step(len(batch) * ctx.world_size, self.last_step_flops * ctx.world_size)
             if self.progress.step % log_every == 0:
                 self._log_point(loss, lr)
+                self._stop_if_preempted()
             every = cfg.training.checkpoint_every_steps
             if every and self.progress.step % every == 0:
                 self.save(background=True)
@@ -425,8 +496,20 @@ class Trainer:
             self._log_point(loss, lr)
         self.batches_done = 0
 
+    def _stop_if_preempted(self) -> None:
+        """At a step boundary: when any rank got a preemption signal, every rank saves its part
+        of one checkpoint, waits for the others, and the run stops (train.py exits with
+        EXIT_PREEMPTED)."""
+        if self.preemption is None or not self.preemption.requested_anywhere(self.ctx):
+            return
+        path = self.save()
+        barrier(self.ctx)
+        self.log.info(f"preempted: saved {path} at step {self.progress.step}; stopping")
+        raise Preempted(str(path))
+
     def run_eval(self) -> EvalResult:
-        self.ema.copy_to(self.eval_model)
+        with torch.no_grad():
+            torch._foreach_copy_(list(self.eval_model.parameters()), self._full_ema())
         return evaluate(
             self.decoder, self.val_loader, self.eval_transform, detokenizer(self.tokenizer),
             self.ctx,
@@ -481,28 +564,10 @@ class Trainer:
             self.checkpoints.wait()
         # the final state, after the timed region (a run that raised keeps its last checkpoint)
         self.save(result.wer if result is not None else None)
+        # no rank leaves before rank 0 has committed it: a launcher that sees one rank exit
+        # may kill the others
+        barrier(self.ctx)
         return reached
-
-
-def found_nonfinite(
-    grads: list[torch.Tensor], loss: torch.Tensor, ctx: DistContext
-) -> torch.Tensor:
-    """1.0 when the loss or any gradient element is inf or NaN on any rank, else 0.0 (a
-    float32 scalar on the device): the one decision the optimizer, the loss scale and the skip
-    counters share.
-
-    Elementwise, with GradScaler's own op (unscaling by 1 leaves the values as they are), so
-    nothing is summed: a norm taken in fp16 overflows on healthy scaled gradients.
-    """
-    found = (~torch.isfinite(loss)).to(torch.float32).reshape(())
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    one = torch.ones((), device=found.device)
-    for group in by_dtype.values():
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
-    all_reduce_max_(found, ctx)
-    return found
 
 
 def _split(batch: FeatureBatch, parts: int) -> list[FeatureBatch]:

@@ -45,7 +45,7 @@ python3 train.py configs/tiny.yaml --device cpu \
   --set training.output_dir="$OUT" "$@"
 
 step "5/6 re-score the newest checkpoint with eval.py"
-ckpt=$(ls -t "$OUT"/checkpoints/ckpt_*.pt | head -n 1)
+ckpt=$(ls -td "$OUT"/checkpoints/ckpt_*/ | head -n 1)
 python3 eval.py configs/tiny.yaml "$ckpt" --device cpu \
   --set data.dataset_dir="$DATA" \
   --set "data.val_manifests=[$DATA/digits-dev.jsonl]" \

@@ -36,3 +36,37 @@ def lengths_dir() -> Path:
     from rnnt.config import LENGTHS_DIR
 
     return LENGTHS_DIR
+
+
+def build_digits_corpus(root: Path) -> dict:
+    """A spoken-digits corpus of 48 training and 12 dev utterances (espeak-ng), with manifests
+    carrying token ids of a 20-piece tokenizer: the real data path at CPU-test size."""
+    from rnnt.data.manifest import build_manifest, tokenize, write_manifest
+    from rnnt.data.synthetic_corpus import build_corpus
+    from rnnt.data.tokenizer import Tokenizer, train_tokenizer
+
+    build_corpus(root, "digits", train=48, dev=12, seed=3, workers=2, progress=False)
+    train, _ = build_manifest(root, ["train"], max_duration=16.7)
+    dev, _ = build_manifest(root, ["dev"])
+    model = train_tokenizer([u.transcript for u in train], root / "tok", 20)
+    tok = Tokenizer(model)
+    write_manifest(root / "train.jsonl", tokenize(train, tok))
+    write_manifest(root / "dev.jsonl", tokenize(dev, tok))
+    return {"root": root, "tokenizer": model}
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> dict:
+    """The digits corpus, built here (needs espeak-ng), or the one $RNNT_TEST_CORPUS names (a
+    copy built elsewhere, for the GPU machine, which has no espeak-ng)."""
+    import shutil
+
+    prebuilt = os.environ.get("RNNT_TEST_CORPUS")
+    if prebuilt:
+        return {
+            "root": Path(prebuilt).resolve(),
+            "tokenizer": Path(prebuilt).resolve() / "tok.model",
+        }
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (scripts/install.sh installs it)")
+    return build_digits_corpus(tmp_path_factory.mktemp("digits"))

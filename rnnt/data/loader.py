@@ -40,7 +40,7 @@ import soxr
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from rnnt.config import Config, FeaturesConfig
+from rnnt.config import Config, ConfigError, FeaturesConfig
 from rnnt.data.batch import FeatureBatch
 from rnnt.data.features import (
     AudioFileError,
@@ -50,8 +50,12 @@ from rnnt.data.features import (
 )
 from rnnt.data.manifest import Utterance
 from rnnt.data.sampler import BucketingSampler, SequentialBatches
+from rnnt.seeds import derive_seed, rank_seeds
 
 BACKENDS = ("auto", "dali", "torch")  # "synthetic" reads no manifests: rnnt.data.synthetic
+
+
+EVAL_SEED = 0
 
 
 def dali_available() -> bool:
@@ -76,11 +80,6 @@ def resolve_backend(name: str) -> str:
             "nvidia-dali-cuda120/130 or set data.backend to torch (or auto)"
         )
     return name
-
-
-def derive_seed(*keys: int) -> int:
-    """A 63-bit seed from integer keys (numpy SeedSequence: independent streams per key)."""
-    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def audio_path(utt: Utterance, dataset_dir: str | Path | None) -> str:
@@ -213,6 +212,7 @@ class TorchFeatureLoader:
         rank: int,
         device: torch.device,
         assembler: BatchAssembler,
+        seed: int,
     ) -> None:
         data = cfg.data
         _check_devices(data.device, data.resampling_device)
@@ -228,7 +228,7 @@ class TorchFeatureLoader:
         dataset = AudioDataset(
             utts, dataset_dir, cfg.features, train and not perturb_on_device, worker_extractor
         )
-        self.keyed = _KeyedBatches(batches, cfg.training.seed, rank)
+        self.keyed = _KeyedBatches(batches, seed, rank)
         workers = data.num_threads
         self.loader = DataLoader(
             dataset,
@@ -242,7 +242,7 @@ class TorchFeatureLoader:
             multiprocessing_context="forkserver" if workers else None,
             # Every DataLoader iterator draws a base seed; from a private generator, so starting
             # an epoch never advances the global RNG (dropout) and resumes stay exact.
-            generator=torch.Generator().manual_seed(derive_seed(cfg.training.seed, rank)),
+            generator=torch.Generator().manual_seed(rank_seeds(seed, rank).loader),
         )
 
     @property
@@ -367,6 +367,11 @@ def build_loader(
     backend = resolve_backend(cfg.data.backend)
     device = torch.device(device)
     durations = [u.duration for u in utts]
+    # evaluation's one random draw (dither) is the same in every run, so that eval.py scores a
+    # checkpoint exactly as the training run did
+    seed = cfg.training.seed if train else EVAL_SEED
+    if seed is None:
+        raise ConfigError("training.seed is unset: the Trainer draws one before the loaders")
     if not train:
         batches = SequentialBatches(durations, cfg.eval.batch_size, rank, world_size)
         max_batch = cfg.eval.batch_size
@@ -379,18 +384,20 @@ def build_loader(
                 cfg.data.num_buckets,
                 rank,
                 world_size,
-                cfg.training.seed,
+                seed,
             )
         batches = sampler
         # a rank's share of a global batch: the micro-batches of one step together
         max_batch = getattr(sampler, "local_batch_size", local_batch)
     assembler = BatchAssembler(utts, train, tokenizer)
     if backend == "torch":
-        loader = TorchFeatureLoader(cfg, utts, dataset_dir, train, batches, rank, device, assembler)
+        loader = TorchFeatureLoader(
+            cfg, utts, dataset_dir, train, batches, rank, device, assembler, seed
+        )
     else:
         from rnnt.data.dali import DaliFeatureIterator
 
-        files = DaliFileSource(utts, dataset_dir, cfg.features, train, cfg.training.seed, rank)
+        files = DaliFileSource(utts, dataset_dir, cfg.features, train, seed, rank)
         loader = DaliFeatureIterator(
             cfg.features,
             train,
@@ -400,7 +407,7 @@ def build_loader(
             files.diagnose,
             max_batch,
             max(1, cfg.data.num_threads),
-            derive_seed(cfg.training.seed, rank) % (1 << 31),
+            rank_seeds(seed, rank).loader % (1 << 31),
             cfg.data.device,
             cfg.data.resampling_device,
             device,

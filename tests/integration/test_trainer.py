@@ -13,29 +13,11 @@ import torch
 
 from rnnt.checkpoint import CheckpointError
 from rnnt.config import load_config
-from rnnt.data.manifest import build_manifest, tokenize, write_manifest
-from rnnt.data.synthetic_corpus import build_corpus
-from rnnt.data.tokenizer import Tokenizer, train_tokenizer
 from rnnt.distributed import DistContext
 from rnnt.run_log import read_metrics
-from rnnt.trainer import NonFiniteLossError, Trainer, found_nonfinite
+from rnnt.trainer import NonFiniteLossError, Trainer
 
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> dict:
-    if shutil.which("espeak-ng") is None:
-        pytest.skip("espeak-ng is not installed (scripts/install.sh installs it)")
-    root = tmp_path_factory.mktemp("digits")
-    build_corpus(root, "digits", train=48, dev=12, seed=3, workers=2, progress=False)
-    train, _ = build_manifest(root, ["train"], max_duration=16.7)
-    dev, _ = build_manifest(root, ["dev"])
-    model = train_tokenizer([u.transcript for u in train], root / "tok", 20)
-    tok = Tokenizer(model)
-    write_manifest(root / "train.jsonl", tokenize(train, tok))
-    write_manifest(root / "dev.jsonl", tokenize(dev, tok))
-    return {"root": root, "tokenizer": model}
 
 
 def make_cfg(corpus: dict, out: Path, *extra: str):
@@ -91,8 +73,7 @@ def test_resume_mid_epoch_continues_exactly(corpus, tmp_path, encoder_lstm):
 
     resumed_dir = tmp_path / "resumed"
     (resumed_dir / "checkpoints").mkdir(parents=True)
-    for name in ("ckpt_e1_s4.pt", "ckpt_e1_s4.json"):
-        shutil.copy(full / "checkpoints" / name, resumed_dir / "checkpoints" / name)
+    shutil.copytree(full / "checkpoints" / "ckpt_e1_s4", resumed_dir / "checkpoints" / "ckpt_e1_s4")
     resumed = Trainer(make_cfg(corpus, resumed_dir, lstm), CPU)
     assert resumed.resume()
     assert (resumed.progress.epoch, resumed.progress.step, resumed.batches_done) == (1, 4, 4)
@@ -111,17 +92,17 @@ def test_truncated_newest_checkpoint_falls_back_loudly(corpus, tmp_path, caplog)
     out = tmp_path / "run"
     cfg = make_cfg(corpus, out, "training.epochs=1")
     Trainer(cfg, CPU).fit()
-    ckpts = sorted((out / "checkpoints").glob("*.pt"), key=lambda p: p.stat().st_mtime)
-    newest = ckpts[-1]
+    ckpts = sorted((out / "checkpoints").glob("ckpt_*"), key=lambda p: int(p.name.split("_s")[1]))
+    newest = ckpts[-1] / "model.pt"
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2])  # a save killed half-way
     trainer = Trainer(cfg, CPU)
     with caplog.at_level(logging.ERROR):
         assert trainer.resume()
-    assert any(newest.name in rec.getMessage() for rec in caplog.records)
+    assert any(ckpts[-1].name in rec.getMessage() for rec in caplog.records)
     assert trainer.progress.step == 4  # the previous (mid-epoch) checkpoint
     for path in ckpts[:-1]:
-        path.write_bytes(b"garbage")
+        (path / "rank0.pt").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="refusing to start from scratch"):
         Trainer(cfg, CPU).resume()
 
@@ -132,7 +113,7 @@ def _skip_expectations(trainer: Trainer, poison) -> None:
     count rises by exactly one; then a finite step moves the weights and resets the run."""
     batch = next(iter(trainer.train_loader))
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    masters = [m.clone() for m in trainer.optimizer.master_params()]
+    masters = trainer.optimizer.master.clone()
     ema = [w.clone() for w in trainer.ema.weights]
     steps = float(trainer.optimizer.steps)
     handle = poison.register_hook(lambda g: torch.full_like(g, math.inf))
@@ -142,11 +123,11 @@ def _skip_expectations(trainer: Trainer, poison) -> None:
     assert float(trainer.optimizer.steps) == steps
     for a, b in zip(before, trainer.model.parameters()):
         assert torch.equal(a, b)
-    for a, b in zip(masters, trainer.optimizer.master_params()):
-        assert torch.equal(a, b)
+    assert torch.equal(masters, trainer.optimizer.master)
+    assert not trainer.optimizer.exp_avg.any()  # the first step: no moment moved
     decay = trainer.ema.decay
-    for old, new, w in zip(ema, trainer.ema.weights, masters):
-        torch.testing.assert_close(new, old * decay + w * (1 - decay), rtol=1e-6, atol=1e-7)
+    (old,), (new,) = ema, trainer.ema.weights
+    torch.testing.assert_close(new, old * decay + masters * (1 - decay), rtol=1e-6, atol=1e-7)
     trainer.train_step(batch, lr=0.01)  # a finite step moves the weights and resets the run
     assert int(trainer.skipped_total) == 1 and int(trainer.skipped_in_a_row) == 0
     assert float(trainer.optimizer.steps) == steps + 1
@@ -156,19 +137,6 @@ def _skip_expectations(trainer: Trainer, poison) -> None:
 def test_inf_gradient_skips_the_step_and_is_counted(corpus, tmp_path):
     trainer = Trainer(make_cfg(corpus, tmp_path / "run"), CPU)
     _skip_expectations(trainer, next(trainer.model.joint.parameters()))
-
-
-def test_large_finite_fp16_gradients_are_not_counted_as_skips():
-    """100,000 gradient elements of 300 have an L2 norm of 94,868, past fp16's 65,504: a check
-    that sums in fp16 calls them inf. Any inf or NaN element, or a non-finite loss, is one."""
-    grads = [torch.full((100_000,), 300.0, dtype=torch.float16), torch.ones(7)]
-    assert float(found_nonfinite(grads, torch.tensor(12.5), CPU)) == 0.0
-    assert torch.equal(grads[0], torch.full((100_000,), 300.0, dtype=torch.float16))
-    assert float(found_nonfinite(grads, torch.tensor(math.inf), CPU)) == 1.0
-    for bad in (math.inf, -math.inf, math.nan):
-        poisoned = [g.clone() for g in grads]
-        poisoned[0][99_999] = bad
-        assert float(found_nonfinite(poisoned, torch.tensor(12.5), CPU)) == 1.0
 
 
 def test_repeated_nan_losses_stop_the_run_naming_the_step(corpus, tmp_path):
@@ -312,7 +280,7 @@ def test_only_the_final_state_is_saved_when_the_run_asks_for_no_checkpoints(corp
     cfg = make_cfg(corpus, out, "training.save_every_epochs=0", "training.checkpoint_every_steps=0")
     trainer = Trainer(cfg, CPU)
     trainer.fit()
-    assert sorted(p.name for p in (out / "checkpoints").glob("*.pt")) == ["ckpt_e3_s12.pt"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["ckpt_e3_s12"]
     resumed = Trainer(cfg, CPU)
     assert resumed.resume() and resumed.progress.step == 12
     for a, b in zip(resumed.model.parameters(), trainer.model.parameters()):

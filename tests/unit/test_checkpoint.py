@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from rnnt.checkpoint import (
+    COMPLETE,
     CheckpointError,
     CheckpointManager,
     capture_rng_state,
+    open_checkpoint,
     restore_rng_state,
 )
 
@@ -23,89 +25,108 @@ def state_for(step):
     }
 
 
+def files_for(step):
+    return {"model": state_for(step), "rank0": {"shard": torch.full((5,), float(step))}}
+
+
+def both(checkpoint):
+    return ["model", "rank0"]
+
+
+def save(mgr, step, wer=None, **kw):
+    return mgr.save(files_for(step), epoch=step // 10, step=step, meta={"wer": wer}, **kw)
+
+
 def names(directory):
     return sorted(p.name for p in directory.iterdir())
 
 
 def test_round_trip(tmp_path):
     mgr = CheckpointManager(tmp_path / "ck")
-    assert mgr.load_latest() is None  # no directory yet: a fresh run
+    assert mgr.load_latest(both) is None  # no directory yet: a fresh run
+    path = save(mgr, 10, wer=0.31)
+    assert path == tmp_path / "ck" / "ckpt_e1_s10"
+    assert names(path) == ["complete.json", "model.json", "model.pt", "rank0.json", "rank0.pt"]
+    record = json.loads((path / COMPLETE).read_text())
+    assert record["meta"] == {"epoch": 1, "step": 10, "wer": 0.31}
+    assert record["files"]["model"]["size"] == (path / "model.pt").stat().st_size
+    states, checkpoint = mgr.load_latest(both, map_location="cpu")
+    assert checkpoint.path == path
     saved = state_for(10)
-    path = mgr.save(saved, epoch=1, step=10, wer=0.31)
-    assert path == tmp_path / "ck" / "ckpt_e1_s10.pt"
-    meta = json.loads(path.with_suffix(".json").read_text())
-    assert meta["size"] == path.stat().st_size and meta["wer"] == 0.31
-    state, loaded_path = mgr.load_latest(map_location="cpu")
-    assert loaded_path == path
-    assert torch.equal(state["model"]["w"], saved["model"]["w"])
-    assert torch.equal(state["model"]["b"], saved["model"]["b"])
-    assert state["progress"] == saved["progress"]
-    assert state["config"] == saved["config"] and state["skipped"] is None
-    assert not list((tmp_path / "ck").glob("*.tmp"))
+    assert torch.equal(states["model"]["model"]["w"], saved["model"]["w"])
+    assert states["model"]["progress"] == saved["progress"]
+    assert states["model"]["config"] == saved["config"] and states["model"]["skipped"] is None
+    assert torch.equal(states["rank0"]["shard"], torch.full((5,), 10.0))
+    assert not list(path.glob("*.tmp"))
+    assert open_checkpoint(path / "model.pt").load("model")["progress"]["step"] == 10
 
 
 def test_retention_keeps_last_and_best(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=2)
     wers = {10: 0.5, 20: 0.2, 30: 0.4, 40: 0.3, 50: None}
     for step, wer in wers.items():
-        mgr.save(state_for(step), epoch=step // 10, step=step, wer=wer)
-    # newest two (s50, s40) plus the best WER (s20, 0.2), each with its record
-    assert names(tmp_path) == [
-        "ckpt_e2_s20.json", "ckpt_e2_s20.pt", "ckpt_e4_s40.json", "ckpt_e4_s40.pt",
-        "ckpt_e5_s50.json", "ckpt_e5_s50.pt",
-    ]  # fmt: skip
-    assert mgr.best() == (tmp_path / "ckpt_e2_s20.pt", 0.2)
+        save(mgr, step, wer)
+    # newest two (s50, s40) plus the best WER (s20, 0.2)
+    assert names(tmp_path) == ["ckpt_e2_s20", "ckpt_e4_s40", "ckpt_e5_s50"]
+    assert mgr.best() == (tmp_path / "ckpt_e2_s20", 0.2)
     no_best = CheckpointManager(tmp_path, keep_last=1, keep_best=False)
-    no_best.save(state_for(60), epoch=6, step=60, wer=0.9)
-    assert names(tmp_path) == ["ckpt_e6_s60.json", "ckpt_e6_s60.pt"]
+    save(no_best, 60, 0.9)
+    assert names(tmp_path) == ["ckpt_e6_s60"]
 
 
 def test_truncated_newest_falls_back_with_error(tmp_path, caplog):
     mgr = CheckpointManager(tmp_path, keep_last=3)
-    mgr.save(state_for(10), epoch=1, step=10, wer=None)
-    newest = mgr.save(state_for(20), epoch=2, step=20, wer=None)
+    save(mgr, 10)
+    newest = save(mgr, 20) / "model.pt"
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2])  # e.g. the disk filled up mid-write
     with caplog.at_level(logging.ERROR, logger="rnnt.checkpoint"):
-        state, path = mgr.load_latest()
-    assert path.name == "ckpt_e1_s10.pt"
-    assert state["progress"]["step"] == 10
+        states, checkpoint = mgr.load_latest(both)
+    assert checkpoint.path.name == "ckpt_e1_s10"
+    assert states["model"]["progress"]["step"] == 10
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert any("ckpt_e2_s20.pt" in m and "truncated" in m for m in errors)
+    assert any("ckpt_e2_s20" in m and "were written" in m for m in errors)
 
 
-def test_interrupted_save_without_record_is_skipped(tmp_path, caplog):
+def test_interrupted_save_without_record_is_skipped(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=3)
-    mgr.save(state_for(10), epoch=1, step=10, wer=None)
-    newest = mgr.save(state_for(20), epoch=2, step=20, wer=None)
-    newest.with_suffix(".json").unlink()  # crash between the rename and the record
-    with caplog.at_level(logging.ERROR, logger="rnnt.checkpoint"):
-        _, path = mgr.load_latest()
-    assert path.name == "ckpt_e1_s10.pt"
-    assert "no completeness record ckpt_e2_s20.json" in caplog.text
+    save(mgr, 10)
+    newest = save(mgr, 20)
+    (newest / COMPLETE).unlink()  # a crash before the commit
+    _, checkpoint = mgr.load_latest(both)
+    assert checkpoint.path.name == "ckpt_e1_s10"
 
 
 def test_same_size_corruption_is_caught_by_hash(tmp_path, caplog):
     mgr = CheckpointManager(tmp_path, keep_last=3)
-    mgr.save(state_for(10), epoch=1, step=10, wer=None)
-    newest = mgr.save(state_for(20), epoch=2, step=20, wer=None)
+    save(mgr, 10)
+    newest = save(mgr, 20) / "rank0.pt"
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
     with caplog.at_level(logging.ERROR, logger="rnnt.checkpoint"):
-        _, path = mgr.load_latest()
-    assert path.name == "ckpt_e1_s10.pt"
+        _, checkpoint = mgr.load_latest(both)
+    assert checkpoint.path.name == "ckpt_e1_s10"
     assert "SHA-256" in caplog.text
 
 
 def test_all_corrupt_raises(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=3)
     for step in (10, 20):
-        p = mgr.save(state_for(step), epoch=step // 10, step=step, wer=None)
-        p.write_bytes(b"garbage")
+        (save(mgr, step) / "model.pt").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="2 checkpoint.*none can be loaded") as info:
-        mgr.load_latest()
-    assert "ckpt_e1_s10.pt" in str(info.value) and "ckpt_e2_s20.pt" in str(info.value)
+        mgr.load_latest(both)
+    assert "ckpt_e1_s10" in str(info.value) and "ckpt_e2_s20" in str(info.value)
+
+
+def test_every_rank_falls_back_to_the_same_checkpoint(tmp_path):
+    """The newest checkpoint loads here but not on another rank: skipped here too."""
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    save(mgr, 10)
+    save(mgr, 20)
+    votes = iter([False, True])  # what the other rank says about s20, then s10
+    _, checkpoint = mgr.load_latest(both, agree=lambda ok: ok and next(votes))
+    assert checkpoint.path.name == "ckpt_e1_s10"
 
 
 class Payload:
@@ -118,10 +139,30 @@ class Payload:
 def test_pickled_objects_are_rejected(tmp_path):
     mgr = CheckpointManager(tmp_path)
     # a file with a valid record but a pickled class instance inside
-    path = mgr.save({"evil": Payload(), "w": torch.ones(2)}, epoch=1, step=1, wer=None)
-    assert path.is_file()
-    with pytest.raises(CheckpointError, match="ckpt_e1_s1.pt.*(Unpickl|weights_only)"):
-        mgr.load_latest()
+    mgr.save({"model": {"evil": Payload()}, "rank0": {}}, epoch=1, step=1)
+    with pytest.raises(CheckpointError, match="ckpt_e1_s1.*(Unpickl|weights_only)"):
+        mgr.load_latest(both)
+
+
+def test_two_ranks_commit_only_when_both_have_written(tmp_path):
+    ranks = [CheckpointManager(tmp_path, rank=r, world_size=2) for r in range(2)]
+    path = ranks[0].save({"model": {"m": torch.ones(2)}, "rank0": {"s": torch.zeros(3)}}, 1, 6,
+                         background=True)  # fmt: skip
+    ranks[0]._writer.join(timeout=0.5)
+    assert ranks[0]._writer.is_alive() and not (path / COMPLETE).exists()  # waits for rank 1
+    ranks[1].save({"rank1": {"s": torch.ones(3)}}, 1, 6)
+    ranks[0].wait()
+    record = json.loads((path / COMPLETE).read_text())
+    assert sorted(record["files"]) == ["model", "rank0", "rank1"] and record["world_size"] == 2
+    states, _ = ranks[1].load_latest(lambda c: ["model", "rank1"])
+    assert torch.equal(states["rank1"]["s"], torch.ones(3))
+
+
+def test_a_rank_that_never_writes_leaves_the_checkpoint_incomplete(tmp_path):
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=2, commit_timeout_s=0.2)
+    with pytest.raises(CheckpointError, match="rank1 not written within"):
+        mgr.save({"model": {}, "rank0": {}}, 1, 6)
+    assert mgr.load_latest(both) is None
 
 
 def draws():
@@ -140,11 +181,11 @@ def test_rng_capture_restore_reproduces_draws(tmp_path):
     random.seed(3)
     np.random.randn()
     mgr = CheckpointManager(tmp_path)
-    mgr.save({"rng": capture_rng_state()}, epoch=1, step=1, wer=None)
+    mgr.save({"model": {}, "rank0": {"rng": capture_rng_state()}}, epoch=1, step=1)
     first = draws()
-    state, _ = mgr.load_latest()  # through torch.load(weights_only=True)
+    states, _ = mgr.load_latest(both)  # through torch.load(weights_only=True)
     draws()  # move every generator on
-    restore_rng_state(state["rng"])
+    restore_rng_state(states["rank0"]["rng"])
     assert draws() == first
     assert draws() != first  # the generators really advance
 
@@ -161,25 +202,26 @@ def test_cuda_rng_restore():
 def test_a_background_save_holds_the_state_of_the_call(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=5)
     weights = torch.zeros(1000, 100)
-    path = mgr.save({"w": weights, "nested": [weights[0]]}, epoch=1, step=1, wer=0.5,
-                    background=True)  # fmt: skip
+    path = mgr.save({"model": {"w": weights, "nested": [weights[0]]}, "rank0": {}}, 1, 1,
+                    meta={"wer": 0.5}, background=True)  # fmt: skip
     weights.fill_(7.0)  # training goes on while the file is written
     mgr.wait()
-    state, loaded = mgr.load_latest()
-    assert loaded == path and not state["w"].any() and not state["nested"][0].any()
-    assert json.loads(path.with_suffix(".json").read_text())["wer"] == 0.5
-    second = mgr.save({"w": weights}, epoch=1, step=2, wer=None, background=True)
-    third = mgr.save({"w": weights * 2}, epoch=1, step=3, wer=None, background=True)
+    states, checkpoint = mgr.load_latest(both)
+    model = states["model"]
+    assert checkpoint.path == path and not model["w"].any() and not model["nested"][0].any()
+    assert checkpoint.meta["wer"] == 0.5
+    second = mgr.save({"model": {"w": weights}, "rank0": {}}, 1, 2, background=True)
+    third = mgr.save({"model": {"w": weights * 2}, "rank0": {}}, 1, 3, background=True)
     mgr.wait()  # one write at a time: the third waited for the second
-    assert second.is_file() and third.is_file()
-    assert float(mgr.load_latest()[0]["w"][0, 0]) == 14.0
+    assert (second / COMPLETE).is_file() and (third / COMPLETE).is_file()
+    assert float(mgr.load_latest(both)[0]["model"]["w"][0, 0]) == 14.0
 
 
 def test_a_failed_background_save_is_reported_at_the_next_wait(tmp_path):
     blocker = tmp_path / "not_a_directory"
     blocker.write_text("a file where the checkpoint folder should be")
     mgr = CheckpointManager(blocker)
-    mgr.save({"w": torch.ones(3)}, epoch=1, step=1, wer=None, background=True)
+    mgr.save({"model": {"w": torch.ones(3)}, "rank0": {}}, 1, 1, background=True)
     with pytest.raises(CheckpointError, match="not_a_directory"):
         mgr.wait()
     mgr.wait()  # reported once
@@ -190,9 +232,10 @@ def test_a_background_save_of_gpu_tensors_holds_the_state_of_the_call(tmp_path):
     mgr = CheckpointManager(tmp_path)
     weights = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
     expected = weights.cpu()
-    mgr.save({"w": weights, "half": weights.half()}, epoch=1, step=1, wer=None, background=True)
+    mgr.save({"model": {"w": weights, "half": weights.half()}, "rank0": {}}, 1, 1,
+             background=True)  # fmt: skip
     weights.mul_(-1.0)  # queued right after the call returns
     mgr.wait()
-    state, _ = mgr.load_latest()
-    assert torch.equal(state["w"], expected) and state["w"].device.type == "cpu"
-    assert torch.equal(state["half"], expected.half())
+    states, _ = mgr.load_latest(both)
+    assert torch.equal(states["model"]["w"], expected) and states["model"]["w"].device.type == "cpu"
+    assert torch.equal(states["model"]["half"], expected.half())

@@ -89,6 +89,7 @@ def _cfg(backend: str, **features) -> Config:
     cfg.data.num_threads = 1 if backend == "dali" else 0
     cfg.eval.batch_size = 3
     cfg.training.batch_size = 2
+    cfg.training.seed = 1  # the Trainer's job otherwise
     for key, value in features.items():
         setattr(cfg.features, key, value)
     return cfg

@@ -44,6 +44,7 @@ def _cfg(**data) -> Config:
     cfg.data.num_threads = 0
     cfg.eval.batch_size = 2
     cfg.training.batch_size = 2
+    cfg.training.seed = 1  # the Trainer's job otherwise
     for key, value in data.items():
         setattr(cfg.data, key, value)
     return cfg
