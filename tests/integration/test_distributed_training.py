@@ -9,6 +9,7 @@ what NCCL refuses, so only the GPU runs prove the NCCL paths.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -234,3 +235,21 @@ def test_torchrun_restarts_a_killed_job_which_resumes_and_finishes(corpus, tmp_p
     output = launcher.communicate(timeout=240)[0]
     assert "resumed from" in output and "target NOT reached" in output, output[-3000:]
     assert max(train_losses(out)) == 12
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_one(corpus, tmp_path):
+    """The optimizer shards are cut anew for one rank; with no randomness in the run (EXACT)
+    the resumed run ends where the two ranks did."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    extra = (*EXACT, "training.checkpoint_every_steps=4", "training.keep_last_checkpoints=10")
+    proc = run(command(2, *sets(corpus, two, 4, *extra)))
+    assert "target NOT reached" in proc.stdout, proc.stderr[-3000:]
+    (one / "checkpoints").mkdir(parents=True)
+    shutil.copytree(two / "checkpoints" / "ckpt_e1_s4", one / "checkpoints" / "ckpt_e1_s4")
+    proc = run(command(1, "--resume", *sets(corpus, one, 8, *extra)))
+    assert "was written by 2 rank(s)" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert sorted(train_losses(one)) == [5, 6]
+    (model_two, _), (model_one, ranks_one) = final_state(two), final_state(one)
+    assert len(ranks_one) == 1
+    for key, value in model_two["model"].items():
+        torch.testing.assert_close(model_one["model"][key], value, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,48 @@
+"""Process setup (rnnt/distributed.py): the launchers' environments."""
+
+import os
+
+import pytest
+
+from rnnt.distributed import _launcher_env, first_slurm_host
+
+
+@pytest.mark.parametrize(
+    "nodelist,host",
+    [
+        ("dgx01", "dgx01"),
+        ("dgx[03-05,09]", "dgx03"),
+        ("dgx[7,9],login1", "dgx7"),
+        ("node-a[001-004]", "node-a001"),
+        ("a,b", "a"),
+    ],
+)
+def test_first_host_of_a_slurm_node_list(nodelist, host):
+    assert first_slurm_host(nodelist) == host
+
+
+def test_torchrun_variables_win_over_slurms(monkeypatch):
+    for key, value in dict(RANK="3", WORLD_SIZE="8", LOCAL_RANK="3", SLURM_PROCID="0",
+                           SLURM_NTASKS="2", SLURM_LOCALID="0").items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    assert _launcher_env() == (3, 8, 3)
+
+
+def test_srun_tasks_rendezvous_at_the_first_node(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    srun = dict(
+        SLURM_PROCID="5", SLURM_NTASKS="16", SLURM_LOCALID="5",
+        SLURM_STEP_NODELIST="gpu[12-13]", SLURM_JOB_ID="4242",
+    )  # fmt: skip
+    for key, value in srun.items():
+        monkeypatch.setenv(key, value)
+    assert _launcher_env() == (5, 16, 5)
+    assert os.environ["MASTER_ADDR"] == "gpu12"
+    assert os.environ["MASTER_PORT"] == str(29500 + 4242 % 20000)
+
+
+def test_one_process_without_a_launcher(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    assert _launcher_env() == (0, 1, 0)
