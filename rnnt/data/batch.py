@@ -21,9 +21,9 @@ class FeatureBatch:
     token_lens: (B,) int64, every one >= 1 for training batches.
     utt_ids:    B utterance ids (manifest order key), for evaluation output and debugging.
     transcripts: B normalized reference transcripts (evaluation computes WER against these).
-    host_lens:  (feat_lens, token_lens) as CPU tensors when the pipeline knows them on the host
-                (kept by `to()` when the lengths start on the CPU), else None. The fused loss
-                sizes its packed lattice from them without reading the device.
+    host_lens:  (feat_lens, token_lens) as CPU tensors: every loader sets them (the fused loss
+                sizes its packed lattice from them without reading the device; without them
+                it computes the padded box).
     """
 
     feats: torch.Tensor
@@ -38,9 +38,6 @@ class FeatureBatch:
         """The batch on `device`. Copies to a GPU are asynchronous (non_blocking); copies to
         the host are not: a non-blocking device-to-host copy returns before the data has
         arrived, and whoever reads it next would read whatever the memory held."""
-        host_lens = self.host_lens
-        if self.feat_lens.device.type == "cpu" and self.token_lens.device.type == "cpu":
-            host_lens = (self.feat_lens, self.token_lens)
         non_blocking = non_blocking and torch.device(device).type != "cpu"
         return FeatureBatch(
             self.feats.to(device, non_blocking=non_blocking),
@@ -49,7 +46,7 @@ class FeatureBatch:
             self.token_lens.to(device, non_blocking=non_blocking),
             self.utt_ids,
             self.transcripts,
-            host_lens,
+            self.host_lens,
         )
 
     def __len__(self) -> int:

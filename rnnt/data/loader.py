@@ -109,8 +109,18 @@ class BatchAssembler:
         return []
 
     def __call__(
-        self, indices: Sequence[int], feats: torch.Tensor, feat_lens: torch.Tensor
+        self,
+        indices: Sequence[int],
+        feats: torch.Tensor,
+        feat_lens: torch.Tensor,
+        host_feat_lens: torch.Tensor | None = None,
     ) -> FeatureBatch:
+        """host_feat_lens: the frame counts on the host, when feat_lens lives on a GPU (the
+        producer copies them once; without them the fused loss computes the padded box)."""
+        if host_feat_lens is None:
+            if feat_lens.device.type != "cpu":
+                raise ValueError("BatchAssembler: lengths on a GPU need their host copy")
+            host_feat_lens = feat_lens
         utts = [self.utts[i] for i in indices]
         ids = [self.tokens(u) for u in utts]
         token_lens = torch.tensor([len(t) for t in ids], dtype=torch.int64)
@@ -124,6 +134,7 @@ class BatchAssembler:
             token_lens,
             [u.utt_id for u in utts],
             [u.transcript for u in utts],
+            host_lens=(host_feat_lens.to(torch.int64), token_lens),
         )
 
 
@@ -264,9 +275,13 @@ class TorchFeatureLoader:
                 lens = lens.to(self.device, non_blocking=True)
                 generator = torch.Generator(device=self.device).manual_seed(batch_seed)
                 feats, lens = self.extractor(padded, lens, generator)
-                # one sync per batch (outside any graph): trimmed silence need not travel on
-                feats = feats[:, :, : int(lens.max())]
-            yield self.assembler(indices, feats if self.on_device else padded, lens)
+                # one copy of the lengths per batch (a sync, outside any graph): it trims the
+                # silence off the batch and gives the loss its host lengths
+                host_lens = lens.cpu()
+                feats = feats[:, :, : int(host_lens.max())]
+                yield self.assembler(indices, feats, lens, host_lens)
+            else:
+                yield self.assembler(indices, padded, lens)
 
 
 def _collate(items: list[tuple[int, int, torch.Tensor]]):

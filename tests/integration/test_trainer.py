@@ -298,7 +298,8 @@ def test_accumulation_split_keeps_host_lengths_aligned_with_the_batch():
 
     lens = torch.tensor([9, 7, 5, 3, 2])
     tokens = torch.tensor([4, 3, 2, 1, 1])
-    batch = FeatureBatch(torch.zeros(5, 2, 9), lens, torch.zeros(5, 4), tokens).to("cpu")
+    host = (lens.clone(), tokens.clone())
+    batch = FeatureBatch(torch.zeros(5, 2, 9), lens, torch.zeros(5, 4), tokens, host_lens=host)
     parts = _split(batch, 2)
     assert [p.host_lens[0].tolist() for p in parts] == [[9, 7, 5], [3, 2]]
     for part in parts:

@@ -244,10 +244,12 @@ def test_transform_on_gpu_never_syncs_and_matches_cpu():
 
 def test_host_lengths_follow_the_batch_to_the_model_input():
     batch = _batch([10, 7, 3])
-    moved = batch.to("cpu")  # CPU lengths are what a loader hands over: kept as host lengths
+    batch.host_lens = (batch.feat_lens.clone(), batch.token_lens.clone())  # as loaders set them
+    moved = batch.to("cpu")
     assert moved.host_lens is not None and moved.host_lens[0].tolist() == [10, 7, 3]
     transform = BatchTransform(FeaturesConfig(), train=False, dtype=torch.float32)
     mb = transform(moved)
     assert mb.host_lens[0].tolist() == mb.feat_lens.tolist() == [4, 3, 1]  # ceil(T / 3)
     assert mb.host_lens[1].tolist() == mb.token_lens.tolist()
-    assert transform(batch).host_lens is None  # built without host lengths: none passed on
+    batch.host_lens = None
+    assert transform(batch).host_lens is None  # none given: none made up
