@@ -3,6 +3,8 @@
 
 python scripts/make_synthetic_corpus.py digits datasets/digits --train 6000
 python scripts/make_synthetic_corpus.py sentences datasets/sentences --train 20000 --seed 3
+python scripts/make_synthetic_corpus.py sentences datasets/long --train 30000 \
+    --durations librispeech --held-out-speakers 12
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rnnt.data.synthetic_corpus import DEFAULT_DEV_SIZE, KINDS, CorpusError, build_corpus  # noqa: E402
+from rnnt.data.synthetic_corpus import (  # noqa: E402
+    DEFAULT_DEV_SIZE,
+    DURATIONS,
+    KINDS,
+    CorpusError,
+    build_corpus,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +42,19 @@ def main(argv: list[str] | None = None) -> int:
         "evaluated on fewer is not compliant)",
     )
     parser.add_argument("--seed", type=int, default=1, help="same seed, same corpus")
+    parser.add_argument(
+        "--durations",
+        choices=DURATIONS,
+        default="natural",
+        help="librispeech: sentences joined to durations drawn from LibriSpeech (sentences only)",
+    )
+    parser.add_argument(
+        "--held-out-speakers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N of the 84 speakers speak only in dev (default 0: dev shares train's speakers)",
+    )
     parser.add_argument("--workers", type=int, default=None, help="processes (default: all CPUs)")
     parser.add_argument("--force", action="store_true", help="delete the splits and rebuild")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -50,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             force=args.force,
             progress=not args.no_progress,
+            durations=args.durations,
+            held_out_speakers=args.held_out_speakers,
         )
     except CorpusError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -10,7 +10,12 @@ the real pipeline reads, so every later stage runs on real audio files:
 
 A speaker is an espeak-ng voice and variant with its own base pitch and speed; train and dev
 share the speakers (dev stays inside the training distribution) but never a (speaker, chapter)
-pair, so utterance ids are unique across splits. Every utterance's text and acoustic settings
+pair, so utterance ids are unique across splits; `held_out_speakers` reserves some speakers for
+dev alone, to measure how a model does on voices it never heard. `durations="librispeech"`
+makes `sentences` utterances as long as LibriSpeech's: each joins sentences until it would last
+about a duration drawn from the shipped LibriSpeech length tables (train-clean-5 for train,
+dev-clean for dev), so the long-sequence paths of training (graph buckets, the LSTM kernels, the
+packed lattice) get real work. Every utterance's text and acoustic settings
 come from a generator seeded by (seed, split, index) alone, so the corpus does not depend on the
 number of workers or the order they finish in.
 """
@@ -38,6 +43,7 @@ from rnnt.data import wordlist
 SAMPLE_RATE = 16000
 ESPEAK_RATE = 22050  # espeak-ng's output rate
 KINDS = ("digits", "sentences")
+DURATIONS = ("natural", "librispeech")
 SPLIT_CODES = {"train": 1, "dev": 2}  # part of each utterance's seed and of its chapter id
 DEFAULT_DEV_SIZE = 2703  # dev-clean's size: eval_samples of a compliant MLPerf log
 STAMP_NAME = "synthetic_corpus.json"
@@ -66,6 +72,9 @@ SPEED_RANGE = (130, 200)  # espeak-ng -s (words per minute), per speaker
 PITCH_JITTER = 5  # per utterance, around the speaker's base
 SPEED_JITTER = 10
 SILENCE_RANGE = (0.05, 0.35)  # seconds added before and after the speech
+# espeak-ng speaks these sentences a little faster than its -s words per minute: the ratio of
+# its rate to -s, measured over 40 utterances of the librispeech durations (espeak-ng 1.51)
+ESPEAK_PACE = 1.056
 PEAK_RANGE = (0.3, 0.9)  # peak amplitude after scaling (recording level)
 SNR_RANGE_DB = (30.0, 50.0)  # white noise below the speech RMS: not clean, still easy
 FIRST_SPEAKER_ID = 100
@@ -311,21 +320,76 @@ def speakers(seed: int) -> list[Speaker]:
     return out
 
 
-def plan_split(kind: str, split: str, size: int, seed: int) -> list[UtterancePlan]:
-    """The `size` utterances of one split, in index order."""
+def split_speakers(seed: int, split: str, held_out: int) -> list[Speaker]:
+    """The speakers of `split`: all of them, or with `held_out` > 0 a fixed random set of that
+    many for dev alone and the others for train."""
+    cast = speakers(seed)
+    if not 0 <= held_out < len(cast):
+        raise CorpusError(f"held_out_speakers must be in [0, {len(cast)}), got {held_out}")
+    if held_out == 0:
+        return cast
+    order = np.random.default_rng([seed, 1]).permutation(len(cast))
+    dev = {int(i) for i in order[:held_out]}
+    return [s for i, s in enumerate(cast) if (i in dev) == (split == "dev")]
+
+
+def librispeech_durations(split: str) -> np.ndarray:
+    """Durations (seconds) of the shipped LibriSpeech table for `split`."""
+    from rnnt.config import LENGTHS_DIR
+    from rnnt.data.synthetic import read_lengths_table
+
+    name = "train-clean-5" if split == "train" else "dev-clean"
+    return read_lengths_table(LENGTHS_DIR / f"librispeech_{name}_lengths.tsv").durations
+
+
+def long_text(
+    sentences: SentenceGenerator, rng: np.random.Generator, seconds: float, wpm: int
+) -> str:
+    """Sentences joined, and cut, to the words that last about `seconds` at `wpm` words per
+    minute, less the silence `render` adds around them."""
+    speech = seconds - sum(SILENCE_RANGE)  # the mean of the lead and trail silences together
+    target = max(MIN_SENTENCE_WORDS, round(speech * wpm / 60 * ESPEAK_PACE))
+    words: list[str] = []
+    while len(words) < target:
+        words += sentences.sentence(rng).split()
+    return " ".join(words[:target])
+
+
+def plan_split(
+    kind: str,
+    split: str,
+    size: int,
+    seed: int,
+    durations: str = "natural",
+    held_out_speakers: int = 0,
+) -> list[UtterancePlan]:
+    """The `size` utterances of one split, in index order.
+
+    durations: "natural" (a sentence or a few digits each) or "librispeech" (sentences only:
+    joined to a LibriSpeech duration). held_out_speakers: see `split_speakers`.
+    """
     if kind not in KINDS:
         raise CorpusError(f"unknown corpus kind {kind!r}; expected one of {KINDS}")
     if split not in SPLIT_CODES:
         raise CorpusError(f"unknown split {split!r}; expected one of {tuple(SPLIT_CODES)}")
     if size < 0:
         raise CorpusError(f"split {split}: size must be >= 0, got {size}")
-    cast = speakers(seed)
+    if durations not in DURATIONS:
+        raise CorpusError(f"unknown durations {durations!r}; expected one of {DURATIONS}")
+    if durations == "librispeech" and kind != "sentences":
+        raise CorpusError("durations 'librispeech' needs the sentences kind")
+    cast = split_speakers(seed, split, held_out_speakers)
     sentences = SentenceGenerator() if kind == "sentences" else None
+    table = librispeech_durations(split) if durations == "librispeech" else None
     drafts = []
     for index in range(size):
         rng = np.random.default_rng([seed, SPLIT_CODES[split], index])
         speaker = cast[int(rng.integers(len(cast)))]
-        text = sentences.sentence(rng) if sentences else digits_text(rng)
+        if table is not None:  # at the speaker's pace (the jitter below is drawn later)
+            seconds = float(table[int(rng.integers(len(table)))])
+            text = long_text(sentences, rng, seconds, speaker.speed)
+        else:
+            text = sentences.sentence(rng) if sentences else digits_text(rng)
         drafts.append(
             dict(
                 split=split,
@@ -457,8 +521,11 @@ def build_corpus(
     workers: int | None = None,
     force: bool = False,
     progress: bool = True,
+    durations: str = "natural",
+    held_out_speakers: int = 0,
 ) -> CorpusSummary:
-    """Synthesize the `train` and `dev` splits of a `kind` corpus under `out_dir`.
+    """Synthesize the `train` and `dev` splits of a `kind` corpus under `out_dir` (see
+    `plan_split` for `durations` and `held_out_speakers`).
 
     A complete corpus with the same parameters is left as it is; an interrupted one with the
     same parameters is resumed (finished FLACs are kept). Anything else already in the way is
@@ -467,6 +534,11 @@ def build_corpus(
     root = Path(out_dir)
     sizes = {"train": train, "dev": dev}
     params = {"kind": kind, "seed": seed, "sizes": sizes, "format": FORMAT_VERSION}
+    # recorded only when used, so that corpora made before the options stay valid
+    if durations != "natural":
+        params["durations"] = durations
+    if held_out_speakers:
+        params["held_out_speakers"] = held_out_speakers
     params["espeak_ng"] = espeak_ng_version()
     stamp_path = root / STAMP_NAME
     if force:
@@ -489,7 +561,11 @@ def build_corpus(
                 "use another directory or --force to replace them"
             )
     # Planning checks the arguments, so it comes before anything is written.
-    plans = [p for split, size in sizes.items() for p in plan_split(kind, split, size, seed)]
+    plans = [
+        p
+        for split, size in sizes.items()
+        for p in plan_split(kind, split, size, seed, durations, held_out_speakers)
+    ]
     root.mkdir(parents=True, exist_ok=True)
     stamp_path.write_text(json.dumps({"parameters": params, "complete": False}, indent=2) + "\n")
     samples = {}

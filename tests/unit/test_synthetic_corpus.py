@@ -251,3 +251,43 @@ def test_round_trip_through_manifest_and_tokenizer(digits, tmp_path, repo_root):
         assert utt.duration == pytest.approx(sf.info(utt.audio).duration, abs=1e-3)
     stamp = json.loads((digits / sc.STAMP_NAME).read_text())
     assert sum(u.duration for u in back) == pytest.approx(stamp["audio_seconds"]["dev"], abs=0.01)
+
+
+def test_held_out_speakers_speak_only_in_dev():
+    train = sc.plan_split("digits", "train", 3000, seed=4, held_out_speakers=12)
+    dev = sc.plan_split("digits", "dev", 500, seed=4, held_out_speakers=12)
+    train_voices = {p.speaker.speaker_id for p in train}
+    dev_voices = {p.speaker.speaker_id for p in dev}
+    assert len(dev_voices) == 12 and len(train_voices) == len(sc.speakers(4)) - 12
+    assert not train_voices & dev_voices
+    shared = sc.plan_split("digits", "dev", 500, seed=4)  # the default: dev shares the voices
+    assert {p.speaker.speaker_id for p in shared} & train_voices
+    with pytest.raises(sc.CorpusError, match="held_out_speakers"):
+        sc.plan_split("digits", "dev", 1, seed=4, held_out_speakers=84)
+
+
+def test_librispeech_durations_give_utterances_as_long_as_librispeech():
+    """Sentences joined to durations drawn from the train-clean-5 table: rendered, they last
+    about as long (espeak-ng's pace is calibrated), and the words follow the drawn durations."""
+    plans = sc.plan_split("sentences", "train", 24, seed=6, durations="librispeech")
+    seconds = np.array([sc.render(p).shape[0] / sc.SAMPLE_RATE for p in plans])
+    table = sc.librispeech_durations("train")
+    assert abs(seconds.mean() - table.mean()) < 0.2 * table.mean()
+    assert seconds.max() < table.max() * 1.3 and seconds.min() > 1.0
+    paced = np.array([len(p.text.split()) * 60 / p.speaker.speed for p in plans])
+    assert np.corrcoef(paced, seconds)[0, 1] > 0.9  # the text was cut to the duration
+    vocabulary = sc.SentenceGenerator().vocabulary()
+    assert all(set(p.text.split()) <= vocabulary for p in plans)
+    with pytest.raises(sc.CorpusError, match="needs the sentences kind"):
+        sc.plan_split("digits", "train", 1, seed=6, durations="librispeech")
+
+
+def test_the_options_enter_the_stamp_only_when_used(tmp_path):
+    plain = sc.build_corpus(tmp_path / "a", "digits", train=2, dev=1, seed=2, workers=1,
+                            progress=False)  # fmt: skip
+    stamp = json.loads((Path(plain.root) / sc.STAMP_NAME).read_text())["parameters"]
+    assert set(stamp) == {"kind", "seed", "sizes", "format", "espeak_ng"}  # as before them
+    held = sc.build_corpus(tmp_path / "b", "digits", train=2, dev=1, seed=2, workers=1,
+                           progress=False, held_out_speakers=3)  # fmt: skip
+    stamp = json.loads((Path(held.root) / sc.STAMP_NAME).read_text())["parameters"]
+    assert stamp["held_out_speakers"] == 3 and "durations" not in stamp
