@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from rnnt.distributed import DistContext
-from rnnt.optim.lamb import moments_and_update, triton_available
+from rnnt.optim.lamb import moments_and_update, triton_available, unscale_and_clip
 
 ALIGN = 64  # elements: every rank's chunk of a bucket starts 128-byte aligned in fp16
 
@@ -336,14 +336,7 @@ class DistributedLamb:
         )
         self._all_reduce(stats)
         found_inf = ((stats[1] > 0) | ~torch.isfinite(stats[0])).to(torch.float32)
-        norm = stats[0].sqrt()
-        coef = torch.ones((), dtype=torch.float32, device=g.device)
-        if grad_scale is not None:
-            inv_scale = 1.0 / grad_scale.to(torch.float32)
-            norm = norm * inv_scale
-            coef = coef * inv_scale
-        if self.max_grad_norm > 0:
-            coef = coef * (self.max_grad_norm / norm.clamp(min=self.max_grad_norm))
+        coef = unscale_and_clip(stats[0].sqrt(), grad_scale, self.max_grad_norm)
         skip = found_inf > 0
         keep = (~skip).to(torch.float32)
         self._steps.add_(keep)

@@ -47,6 +47,22 @@ def triton_available() -> bool:
     return True
 
 
+def unscale_and_clip(
+    norm: torch.Tensor, grad_scale: torch.Tensor | None, max_grad_norm: float
+) -> torch.Tensor:
+    """The one factor that unscales loss-scaled gradients of global L2 norm `norm` and clips
+    them to max_grad_norm (0: no clipping), as apex does: divided by norm / max_grad_norm only
+    when the unscaled norm exceeds it."""
+    coef = torch.ones((), dtype=torch.float32, device=norm.device)
+    if grad_scale is not None:
+        inv_scale = 1.0 / grad_scale.to(torch.float32)
+        norm = norm * inv_scale
+        coef = coef * inv_scale
+    if max_grad_norm > 0:
+        coef = coef * (max_grad_norm / norm.clamp(min=max_grad_norm))
+    return coef
+
+
 def moments_and_update(
     g: torch.Tensor,
     exp_avg: torch.Tensor,
@@ -260,13 +276,7 @@ class Lamb(torch.optim.Optimizer):
         # coefficient that unscales and clips.
         norms = [torch.linalg.vector_norm(g) for g in grads]
         norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
-        coef = torch.ones((), dtype=torch.float32, device=self._device)
-        if grad_scale is not None:
-            inv_scale = 1.0 / grad_scale.to(torch.float32)
-            norm = norm * inv_scale
-            coef = coef * inv_scale
-        if self.max_grad_norm > 0:
-            coef = coef * (self.max_grad_norm / norm.clamp(min=self.max_grad_norm))
+        coef = unscale_and_clip(norm, grad_scale, self.max_grad_norm)
 
         skip = keep = None
         if found_inf is not None:
