@@ -26,8 +26,9 @@ fixed here, chosen so that DALI's operators can express it exactly:
   (numpy "reflect"); T = 1 + len // 160 frames. Window: symmetric Hann of 320 samples
   (torch.hann_window(periodic=False)), handed to DALI explicitly; zero-padded to n_fft = 512
   for the FFT; power spectrum |X|^2, 257 bins.
-* Mel: librosa.filters.mel(sr, n_fft, n_mels=80) (Slaney scale, Slaney area norm, 0..sr/2),
-  which is also what DALI `mel_filter_bank(normalize=True, mel_formula="slaney")` computes.
+* Mel: 80 Slaney-scale triangles from 0 Hz to sr/2 with Slaney's area norm (`mel_basis`, what
+  librosa.filters.mel gives by default), which is also what DALI `mel_filter_bank(normalize=True,
+  mel_formula="slaney")` computes.
 * Log: ln(max(mel, 1e-20)).
 * Normalization per mel bin over the valid frames: (x - mean) / sqrt(var + 1e-5) with the
   population variance (ddof 0, defined for one frame), DALI `normalize(axes=[1],
@@ -41,7 +42,6 @@ from __future__ import annotations
 import math
 import os
 
-import librosa
 import numpy as np
 import soundfile as sf
 import torch
@@ -78,12 +78,33 @@ def hann_window(length: int) -> torch.Tensor:
     return torch.hann_window(length, periodic=False, dtype=torch.float64).float()
 
 
+def hz_to_mel(hz: np.ndarray) -> np.ndarray:
+    """Slaney's mel scale: linear (200/3 Hz per mel) below 1 kHz, logarithmic above (a factor
+    of 6.4 per 27 mels)."""
+    hz = np.asarray(hz, dtype=np.float64)
+    log_step = math.log(6.4) / 27.0
+    linear = hz / (200.0 / 3.0)
+    return np.where(hz >= 1000.0, 15.0 + np.log(np.maximum(hz, 1e-10) / 1000.0) / log_step, linear)
+
+
+def mel_to_hz(mel: np.ndarray) -> np.ndarray:
+    mel = np.asarray(mel, dtype=np.float64)
+    log_step = math.log(6.4) / 27.0
+    return np.where(mel >= 15.0, 1000.0 * np.exp(log_step * (mel - 15.0)), mel * 200.0 / 3.0)
+
+
 def mel_basis(cfg: FeaturesConfig) -> torch.Tensor:
-    """(n_mels, n_fft // 2 + 1) Slaney mel filters, float32."""
-    basis = librosa.filters.mel(
-        sr=cfg.sample_rate, n_fft=cfg.n_fft, n_mels=cfg.n_mels, htk=False, norm="slaney"
-    )
-    return torch.from_numpy(np.ascontiguousarray(basis, dtype=np.float32))
+    """(n_mels, n_fft // 2 + 1) Slaney mel filters, float32: triangles between mel-spaced
+    edges from 0 Hz to the Nyquist frequency, each scaled to unit area (2 / its width in Hz).
+    tests/unit/test_features.py checks them against librosa.filters.mel."""
+    bins = np.linspace(0.0, cfg.sample_rate / 2, cfg.n_fft // 2 + 1)
+    edges = mel_to_hz(np.linspace(0.0, hz_to_mel(cfg.sample_rate / 2), cfg.n_mels + 2))
+    widths = np.diff(edges)
+    rising = (bins[None, :] - edges[:-2, None]) / widths[:-1, None]
+    falling = (edges[2:, None] - bins[None, :]) / widths[1:, None]
+    triangles = np.maximum(0.0, np.minimum(rising, falling))
+    basis = triangles * (2.0 / (edges[2:] - edges[:-2]))[:, None]
+    return torch.from_numpy(basis.astype(np.float32))
 
 
 def window_samples(cfg: FeaturesConfig) -> tuple[int, int]:
