@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,11 +23,9 @@ import numpy as np
 import soundfile as sf
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rnnt.config import Config  # noqa: E402
-from rnnt.data.loader import build_loader, dali_available  # noqa: E402
-from rnnt.data.manifest import Utterance  # noqa: E402
+from rnnt.config import Config
+from rnnt.data.loader import build_loader, dali_available
+from rnnt.data.manifest import Utterance
 
 SECONDS = 12.0
 RATE = 16000

@@ -31,14 +31,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rnnt.config import load_config_or_exit
+from rnnt.data.text import normalize_transcript
+from rnnt.data.tokenizer import Tokenizer, TokenizerError, train_tokenizer
+from rnnt.decoding import MODES, GreedyDecoder, decode_reference
+from rnnt.model import RNNT
 
-from rnnt.config import load_config_or_exit  # noqa: E402
-from rnnt.data.text import normalize_transcript  # noqa: E402
-from rnnt.data.tokenizer import Tokenizer, TokenizerError, train_tokenizer  # noqa: E402
-from rnnt.decoding import MODES, GreedyDecoder, decode_reference  # noqa: E402
-from rnnt.model import RNNT  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rnnt.kernels import lstm_wave  # noqa: E402
-from rnnt.model import lstm_layer_weights  # noqa: E402
+from rnnt.kernels import lstm_wave
+from rnnt.model import lstm_layer_weights
 
 STACKS = {"pre": (256, 2, 490), "post": (2048, 3, 245)}  # inputs, layers, frames
 

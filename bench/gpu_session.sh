@@ -27,7 +27,8 @@ WHEELS=${WHEELS:-.carry/wheels}
 if [ -d .carry/digits ]; then export RNNT_TEST_CORPUS=$PWD/.carry/digits; fi
 gpus=$(nvidia-smi --list-gpus | wc -l)
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+# the GPU machine runs this checkout uninstalled: the benchmarks and scripts import rnnt from it
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -d "$WHEELS" ] && ! python3 -c "import librosa, mlperf_logging" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$WHEELS"/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

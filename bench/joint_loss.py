@@ -36,7 +36,6 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 FIXED_SHAPES = {"192x204x44": (192, 204, 44), "192x279x125": (192, 279, 125),

@@ -17,11 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from rnnt.run_log import read_metrics  # noqa: E402
+from rnnt.run_log import read_metrics
 
 
 def compare(records: list[dict], global_batch: int) -> list[dict]:

@@ -39,16 +39,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from rnnt.config import LENGTHS_DIR, add_override_arg, load_config
+from rnnt.data.batch import FeatureBatch
+from rnnt.distributed import DistContext, init_distributed, shutdown
+from rnnt.optim.schedule import lr_at
+from rnnt.throughput import StepParts
+from rnnt.trainer import Trainer
 
-from rnnt.config import LENGTHS_DIR, add_override_arg, load_config  # noqa: E402
-from rnnt.data.batch import FeatureBatch  # noqa: E402
-from rnnt.distributed import DistContext, init_distributed, shutdown  # noqa: E402
-from rnnt.optim.schedule import lr_at  # noqa: E402
-from rnnt.throughput import StepParts  # noqa: E402
-from rnnt.trainer import Trainer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def matmul_peak_flops(device: torch.device) -> float:

@@ -1,53 +1,13 @@
 #!/usr/bin/env python3
 """Validate LibriSpeech-layout splits without writing anything.
 
-  python scripts/validate_dataset.py --dataset-dir datasets/LibriSpeech --splits dev-clean
-
-Prints every problem as `file[:line]: message` and a summary with counts per problem type;
-exit status 1 with --strict when anything is wrong.
+The program is rnnt/cli/validate_dataset.py (installed as `rnnt-validate-dataset`); this file keeps
+`python scripts/validate_dataset.py ...` working.
 """
 
-from __future__ import annotations
-
-import argparse
-import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rnnt.data.validate import DatasetError, Report, validate_split  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--dataset-dir", required=True)
-    ap.add_argument("--splits", nargs="+", required=True)
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--full-decode", action="store_true", help="decode every sample")
-    ap.add_argument("--strict", action="store_true", help="exit 1 when any problem is found")
-    ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
-
-    total = Report()
-    try:
-        for split in args.splits:
-            _, report = validate_split(
-                args.dataset_dir,
-                split,
-                full_decode=args.full_decode,
-                workers=args.workers,
-                progress=not args.no_progress,
-            )
-            total.merge(report)
-    except DatasetError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    for problem in total.problems:
-        print(problem)
-    print(total.summary())
-    return 1 if args.strict and total.problems else 0
-
+from rnnt.cli.validate_dataset import main
 
 if __name__ == "__main__":
     sys.exit(main())
