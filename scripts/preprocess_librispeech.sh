@@ -16,6 +16,11 @@
 # (16.7 s) itself and logs the count, so the manifests serve any max_duration.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# the environment scripts/install.sh made, unless another one is active
+if [ -z "${VIRTUAL_ENV:-}" ] && [ -z "${CONDA_PREFIX:-}" ] && [ -f .venv/bin/activate ]; then
+  # shellcheck disable=SC1091
+  . .venv/bin/activate
+fi
 
 root="datasets/LibriSpeech"
 if [[ $# -gt 0 && "$1" != --* ]]; then root="$1"; shift; fi

@@ -8,6 +8,11 @@
 # Extra arguments go to train.py (e.g. --set overrides). Reruns reuse the finished corpus.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the environment scripts/install.sh made, unless another one is active
+if [ -z "${VIRTUAL_ENV:-}" ] && [ -z "${CONDA_PREFIX:-}" ] && [ -f .venv/bin/activate ]; then
+  # shellcheck disable=SC1091
+  . .venv/bin/activate
+fi
 
 DATA=${DATA:-datasets/digits}
 OUT=${OUT:-results/tiny}

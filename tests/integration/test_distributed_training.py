@@ -24,6 +24,7 @@ from rnnt.preemption import EXIT_PREEMPTED
 from rnnt.run_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # about 2 minutes together on 2 cores
 
 
 def sets(corpus: dict, out: Path, batch: int, *extra: str) -> list[str]:
