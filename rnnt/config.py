@@ -130,6 +130,9 @@ class OptimizerConfig:
     warmup_epochs: int = 3
     hold_epochs: int = 17
     lr_decay_gamma: float = 0.9037
+    # a preset's hyperparameters belong to its global batch size; a run at another one is
+    # refused unless this says it is meant (speed runs, smoke tests on fewer GPUs)
+    allow_gbs_mismatch: bool = False
 
 
 @dataclass
@@ -150,6 +153,8 @@ class TrainingConfig:
     save_every_epochs: int = 1
     checkpoint_every_steps: int = 0  # also save mid-epoch (0 = only at epoch ends)
     max_consecutive_nonfinite: int = 100
+    # torch's intra-op threads per rank (0: the rank's share of its cores less data.num_threads)
+    torch_threads: int = 0
     # seconds any collective (and a checkpoint's commit) may wait for the other ranks: past
     # it a dead or stuck rank ends the job instead of hanging it
     collective_timeout_s: float = 600.0
@@ -173,7 +178,17 @@ class EvalConfig:
 
 
 @dataclass
+class SystemConfig:
+    """The machine a config is written for (configs/systems/): the run checks that it was
+    launched on that many ranks. 0: any."""
+
+    nodes: int = 0
+    gpus_per_node: int = 0  # ranks per node (processes on a CPU system)
+
+
+@dataclass
 class Config:
+    system: SystemConfig = field(default_factory=SystemConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
@@ -322,28 +337,58 @@ def _with_preset(raw: dict, where: str) -> dict:
     return _merge(preset_values(name, where), raw)
 
 
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return raw
+
+
+def _read_with_base(path: Path, seen: tuple[Path, ...]) -> dict:
+    """A config file over the file its `base:` key names (relative to it), recursively."""
+    raw = _read_yaml(path)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: expected a file name, got {base!r}")
+    base_path = (path.parent / base).resolve()
+    if base_path in seen or base_path == path.resolve():
+        raise ConfigError(f"{path}: base: {base} includes itself")
+    under = _read_with_base(base_path, (*seen, path.resolve()))
+    try:
+        _build_root(under, str(base_path))
+    except ConfigError as err:
+        raise ConfigError(f"{err} (the base of {path})") from None
+    return _merge(under, raw)
+
+
+def preset_global_batch(name: str) -> int:
+    """The global batch size a GBS preset is for ("gbs1536" -> 1536)."""
+    return int(name.removeprefix("gbs"))
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load `path` (YAML), apply `section.key=value` overrides, return a validated Config.
 
-    A named GBS preset (`optimizer.preset: gbs1024`) fills the SPEC.md hyperparameters of that
-    global batch size; values written explicitly in the file or on the command line win.
+    A file may name another as its `base:` (relative to it) and set only what differs, as the
+    system overlays of configs/systems/ do. A named GBS preset (`optimizer.preset: gbs1024`)
+    fills the SPEC.md hyperparameters of that global batch size; values written explicitly in
+    the file or on the command line win.
     """
     raw: dict = {}
     source = "<defaults>"
     if path is not None:
-        path = Path(path)
         source = str(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise ConfigError(f"{where}: not valid YAML: {problem}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        raw = _read_with_base(Path(path), seen=())
     _build_root(raw, source)  # validate the file alone first, so its errors name it
     for text in overrides or []:
         keys, value = parse_override(text)

@@ -115,6 +115,43 @@ def _attempt_store(world_size: int, timeout_s: float) -> dist.Store | None:
     return dist.PrefixStore(f"rnnt/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity: a SLURM step or taskset may give it
+    fewer than the machine has)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def torch_threads(cores: int, local_ranks: int, data_threads: int, setting: int) -> int:
+    """torch's intra-op threads for one rank: `setting` when positive, else the rank's share of
+    the cores less the data pipeline's threads, at least 1. Left at torch's default (all
+    cores per process), several ranks and the loader's threads oversubscribe the cores, which
+    slowed a 2-core CPU run about 50x."""
+    if setting > 0:
+        return setting
+    return max(1, cores // max(local_ranks, 1) - data_threads)
+
+
+def set_torch_threads(data_threads: int, setting: int) -> str:
+    """Apply `torch_threads` to this process; returns the one line that says what it chose."""
+    cores = available_cores()
+    local_ranks = int(
+        os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1"))
+    )
+    threads = torch_threads(cores, local_ranks, data_threads, setting)
+    torch.set_num_threads(threads)
+    why = (
+        "training.torch_threads"
+        if setting > 0
+        else (
+            f"{cores} cores / {local_ranks} rank(s) on this node - {data_threads} data.num_threads"
+        )
+    )
+    return f"torch intra-op threads: {threads} ({why})"
+
+
 def all_reduce_max_(value: torch.Tensor, ctx: DistContext) -> None:
     """Replace `value` (on the rank's device) by its maximum over ranks, in place."""
     if ctx.enabled:

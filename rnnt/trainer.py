@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from rnnt.checkpoint import Checkpoint, CheckpointManager, capture_rng_state, restore_rng_state
-from rnnt.config import Config, ConfigError, to_dict
+from rnnt.config import Config, ConfigError, preset_global_batch, to_dict
 from rnnt.data.augment import BatchTransform
 from rnnt.data.batch import FeatureBatch
 from rnnt.data.loader import build_loader
@@ -24,7 +24,7 @@ from rnnt.data.manifest import Utterance, read_manifest
 from rnnt.data.sampler import BucketingSampler
 from rnnt.data.synthetic import SyntheticFeatureSource, tokenizer_for_lengths_table
 from rnnt.data.tokenizer import Tokenizer
-from rnnt.distributed import DistContext, agree_on_seed, any_rank, barrier
+from rnnt.distributed import DistContext, agree_on_seed, any_rank, barrier, set_torch_threads
 from rnnt.evaluation import (
     DTYPES,
     EvalResult,
@@ -95,6 +95,7 @@ class Trainer:
             newest = self.checkpoints.complete()
             saved_seed = newest[0].meta.get("seed") if newest else None
         tcfg.seed = agree_on_seed(tcfg.seed if tcfg.seed is not None else saved_seed, ctx)
+        self.log.info(set_torch_threads(cfg.data.num_threads, tcfg.torch_threads))
         self.seeds = rank_seeds(tcfg.seed, ctx.rank)
         self.log.info(f"seed {tcfg.seed} ({ctx.world_size} rank(s) derive theirs from it)")
         torch.manual_seed(self.seeds.torch)
@@ -119,6 +120,7 @@ class Trainer:
         self.global_batch = (
             cfg.training.batch_size * cfg.training.grad_accumulation * ctx.world_size
         )
+        check_system(cfg, ctx.world_size, self.global_batch)
         if dcfg.backend == "synthetic":
             self._build_synthetic_data()
             return
@@ -568,6 +570,29 @@ class Trainer:
         # may kill the others
         barrier(self.ctx)
         return reached
+
+
+def check_system(cfg: Config, world_size: int, global_batch: int) -> None:
+    """The run matches its config: as many ranks as `system` names, and the global batch of
+    the GBS preset whose hyperparameters it trains with (unless the config says it is meant)."""
+    system = cfg.system
+    ranks = system.nodes * system.gpus_per_node
+    if ranks and ranks != world_size:
+        raise ConfigError(
+            f"system: the config is for {system.nodes} node(s) x {system.gpus_per_node} GPUs = "
+            f"{ranks} ranks, but this run has {world_size}; launch it so, or pick the overlay "
+            "of this machine in configs/systems/"
+        )
+    preset = cfg.optimizer.preset
+    if preset and preset_global_batch(preset) != global_batch:
+        if not cfg.optimizer.allow_gbs_mismatch:
+            raise ConfigError(
+                f"optimizer.preset: {preset} holds the hyperparameters of a global batch of "
+                f"{preset_global_batch(preset)}, but this run's is {global_batch} "
+                f"(training.batch_size {cfg.training.batch_size} x grad_accumulation "
+                f"{cfg.training.grad_accumulation} x {world_size} ranks); pick the preset of "
+                "its size, or set optimizer.allow_gbs_mismatch=true if that is meant"
+            )
 
 
 def _split(batch: FeatureBatch, parts: int) -> list[FeatureBatch]:

@@ -46,3 +46,30 @@ def test_one_process_without_a_launcher(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_PROCID"):
         monkeypatch.delenv(key, raising=False)
     assert _launcher_env() == (0, 1, 0)
+
+
+def test_torch_threads_share_the_cores_with_the_loader_and_other_ranks():
+    from rnnt.distributed import torch_threads
+
+    assert torch_threads(cores=2, local_ranks=1, data_threads=2, setting=0) == 1  # at least 1
+    assert torch_threads(cores=16, local_ranks=1, data_threads=4, setting=0) == 12
+    assert torch_threads(cores=128, local_ranks=8, data_threads=4, setting=0) == 12
+    assert torch_threads(cores=128, local_ranks=8, data_threads=4, setting=3) == 3  # the setting
+
+
+def test_the_choice_is_applied_and_said(monkeypatch):
+    import torch
+
+    from rnnt.distributed import available_cores, set_torch_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    try:
+        line = set_torch_threads(data_threads=0, setting=0)
+        assert torch.get_num_threads() == available_cores()
+        assert line == (
+            f"torch intra-op threads: {available_cores()} ({available_cores()} cores / 1 rank(s) "
+            "on this node - 0 data.num_threads)"
+        )
+    finally:
+        torch.set_num_threads(before)
