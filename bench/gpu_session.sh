@@ -55,7 +55,7 @@ case "$phase" in
     python3 bench/decode.py configs/baseline_v3-1023sp.yaml --batch-sizes 32 338 \
       --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
   train)
-    python3 train.py configs/baseline_v3-1023sp.yaml --num_cg 4 \
+    python3 train.py configs/systems/h200_1x1x192.yaml --num_cg 4 \
       --set data.backend=synthetic --set data.tokenizer= --set loss.backend=fused \
       --set eval.mode=cg_unroll_pipeline \
       --set training.epochs=2 --set training.log_frequency=1 --set training.output_dir=/tmp/rnnt_train \
@@ -64,7 +64,7 @@ case "$phase" in
   truth)
     steps=${STEPS:-100}
     for freq in 1 10; do
-      python3 train.py configs/baseline_v3-1023sp.yaml --num_cg 4 \
+      python3 train.py configs/systems/h200_1x1x192.yaml --num_cg 4 \
         --set data.backend=synthetic --set data.tokenizer= --set eval.mode=cg_unroll_pipeline \
         --set data.synthetic_steps_per_epoch="$steps" --set training.epochs=2 \
         --set training.log_frequency="$freq" --set training.output_dir="/tmp/rnnt_log$freq" \
@@ -93,6 +93,7 @@ case "$phase" in
       [ "$n" -le "$gpus" ] || break
       torchrun --standalone --nproc_per_node "$n" train.py configs/baseline_v3-1023sp.yaml \
         --num_cg 4 --set data.backend=synthetic --set data.tokenizer= \
+        --set optimizer.allow_gbs_mismatch=true \
         --set data.synthetic_steps_per_epoch="${STEPS:-40}" \
         --set training.epochs=2 --set training.save_every_epochs=1 \
         --set eval.mode=cg_unroll_pipeline --set training.output_dir="/tmp/rnnt_full$n" \

@@ -96,6 +96,7 @@ def build_trainer(args, batch_size: int, num_cg: int, ctx: DistContext) -> Train
         "training.grad_accumulation=1",
         f"training.num_cg={num_cg}",
         f"training.output_dir={args.cache_dir}",
+        "optimizer.allow_gbs_mismatch=true",  # a speed run at any batch size
         *args.overrides,
     ]
     if ctx.device.type != "cuda":

@@ -258,6 +258,7 @@ def test_logged_throughput_matches_the_wall_clock(tmp_path):
         Path(__file__).parents[2] / "configs/baseline_v3-1023sp.yaml",
         [
             "data.backend=synthetic", "data.tokenizer=", f"training.batch_size={batch}",
+            "optimizer.allow_gbs_mismatch=true",
             "data.synthetic_steps_per_epoch=8", "training.log_frequency=1",
             f"training.output_dir={tmp_path}",
         ],

@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,47 @@ def test_cli_reports_one_line_error(tmp_path, repo_root):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0
     assert "unknown key 'training.epochz'" in proc.stderr
+
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_every_config_loads_and_every_system_overlay_fits_its_machine(path):
+    from rnnt.trainer import check_system
+
+    cfg = load_config(path)
+    if path.parent.name == "systems":
+        ranks = cfg.system.nodes * cfg.system.gpus_per_node
+        assert ranks > 0, f"{path.name} names no machine"
+        check_system(cfg, ranks, cfg.training.batch_size * cfg.training.grad_accumulation * ranks)
+
+
+def test_the_run_must_match_its_system_and_its_preset(repo_root):
+    from rnnt.trainer import check_system
+
+    cfg = load_config(repo_root / "configs/systems/dgxh100_1x8x192.yaml")
+    assert cfg.model.n_classes == 1024 and cfg.optimizer.lr == 0.0072  # the base and its preset
+    with pytest.raises(ConfigError, match=r"1 node\(s\) x 8 GPUs = 8 ranks, but this run has 4"):
+        check_system(cfg, 4, 768)
+    cfg = load_config(repo_root / "configs/baseline_v3-1023sp.yaml")
+    with pytest.raises(ConfigError, match=r"gbs1536 .* of 1536, but this run's is 768 .* 4 ranks"):
+        check_system(cfg, 4, 768)
+    cfg.optimizer.allow_gbs_mismatch = True
+    check_system(cfg, 4, 768)
+
+
+def test_a_base_is_read_relative_to_its_file_and_cannot_loop(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "base.yaml").write_text("training:\n  batch_size: 7\n  epochs: 3\n")
+    (tmp_path / "sub" / "over.yaml").write_text("base: ../base.yaml\ntraining:\n  epochs: 5\n")
+    cfg = load_config(tmp_path / "sub" / "over.yaml")
+    assert (cfg.training.batch_size, cfg.training.epochs) == (7, 5)
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="includes itself"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "bad.yaml").write_text("traning:\n  epochs: 1\n")
+    (tmp_path / "uses_bad.yaml").write_text("base: bad.yaml\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'traning'.*the base of"):
+        load_config(tmp_path / "uses_bad.yaml")
