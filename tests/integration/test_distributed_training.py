@@ -254,3 +254,22 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one(corpus, tmp_path):
     assert len(ranks_one) == 1
     for key, value in model_two["model"].items():
         torch.testing.assert_close(model_one["model"][key], value, rtol=1e-4, atol=1e-6)
+
+
+def test_run_and_time_passes_a_preemption_through_torchrun(corpus, tmp_path):
+    """docker/launch.sh runs scripts/run_and_time.sh under torchrun, which signals only that
+    shell: the shell hands the signal to train.py, which saves, and reports its status."""
+    out = tmp_path / "run"
+    launcher = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "--no-python", "bash", "scripts/run_and_time.sh", "configs/tiny.yaml", "--device", "cpu",
+        *sets(corpus, out, 4, "training.epochs=50"),
+    ]  # fmt: skip
+    proc = start(launcher)
+    wait_for_step(out, 2, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    assert "STARTING TIMING RUN" in output and "preempted: saved" in output, output[-3000:]
+    assert "ENDING TIMING RUN" in output  # the shell lived on to report
+    model, ranks = final_state(out)
+    assert len(ranks) == 2 and model["progress"]["step"] >= 2
