@@ -17,7 +17,7 @@
 #                                         # at 192 and 24 per GPU, exposed communication
 #   bash bench/gpu_session.sh fullrun     # train.py under torchrun on 2 and 4 GPUs, with eval
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit
 phase=${1:?phase: tests | loss | step | lstm | decode | train | truth | multi | scaling | fullrun}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}

@@ -50,7 +50,9 @@ python3 train.py configs/tiny.yaml --device cpu \
   --set training.output_dir="$OUT" "$@"
 
 step "5/6 re-score the newest checkpoint with eval.py"
-ckpt=$(ls -td "$OUT"/checkpoints/ckpt_*/ | head -n 1)
+# the newest checkpoint directory: the final state the run saved last
+ckpt=$(find "$OUT/checkpoints" -mindepth 1 -maxdepth 1 -name 'ckpt_*' -printf '%T@ %p\n' \
+  | sort -n | tail -n 1 | cut -d' ' -f2-)
 python3 eval.py configs/tiny.yaml "$ckpt" --device cpu \
   --set data.dataset_dir="$DATA" \
   --set "data.val_manifests=[$DATA/digits-dev.jsonl]" \
