@@ -232,8 +232,11 @@ class TorchFeatureLoader:
         self.on_device = data.device == "gpu"
         perturb_on_device = train and data.resampling_device == "gpu"
         worker_extractor = None
+        self.stream = None
         if self.on_device:
             self.extractor = FeatureExtractor(cfg.features, train, perturb_on_device).to(device)
+            if device.type == "cuda":
+                self.stream = torch.cuda.Stream(device)
         else:
             worker_extractor = FeatureExtractor(cfg.features, train, speed_perturb=False)
         dataset = AudioDataset(
@@ -271,17 +274,42 @@ class TorchFeatureLoader:
     def __iter__(self) -> Iterator[FeatureBatch]:
         for indices, batch_seed, padded, lens in self.loader:
             if self.on_device:
-                padded = padded.to(self.device, non_blocking=True)
-                lens = lens.to(self.device, non_blocking=True)
-                generator = torch.Generator(device=self.device).manual_seed(batch_seed)
-                feats, lens = self.extractor(padded, lens, generator)
-                # one copy of the lengths per batch (a sync, outside any graph): it trims the
-                # silence off the batch and gives the loss its host lengths
-                host_lens = lens.cpu()
-                feats = feats[:, :, : int(host_lens.max())]
+                feats, lens, host_lens = self._device_features(padded, lens, batch_seed)
                 yield self.assembler(indices, feats, lens, host_lens)
             else:
                 yield self.assembler(indices, padded, lens)
+
+    def _device_features(
+        self, padded: torch.Tensor, lens: torch.Tensor, batch_seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Features of a padded waveform batch on `device`, with their host lengths.
+
+        On a GPU they are computed on a side stream: the training step queued before this
+        call keeps the GPU busy meanwhile, and the lengths' host copy (a sync) waits for this
+        stream alone. On the default stream that copy would wait for the whole previous step,
+        and the GPU would idle while the host queued the next one."""
+        if self.stream is None:
+            return self._extract(padded, lens, batch_seed)
+        consumer = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            feats, lens, host_lens = self._extract(padded, lens, batch_seed)
+        # the host copy above finished this stream's work; the consumer frees these tensors
+        # on its own stream, so the allocator must not recycle them until that stream is done
+        feats.record_stream(consumer)
+        lens.record_stream(consumer)
+        return feats, lens, host_lens
+
+    def _extract(
+        self, padded: torch.Tensor, lens: torch.Tensor, batch_seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        padded = padded.to(self.device, non_blocking=True)
+        lens = lens.to(self.device, non_blocking=True)
+        generator = torch.Generator(device=self.device).manual_seed(batch_seed)
+        feats, lens = self.extractor(padded, lens, generator)
+        # one copy of the lengths per batch (a sync, outside any graph): it trims the silence
+        # off the batch and gives the loss its host lengths
+        host_lens = lens.cpu()
+        return feats[:, :, : int(host_lens.max())], lens, host_lens
 
 
 def _collate(items: list[tuple[int, int, torch.Tensor]]):
