@@ -1,11 +1,25 @@
-"""Utterances per second per CPU thread of the DALI CPU and torch input pipelines.
+"""Training input pipeline throughput: utterances per second, CPU cores used, GPU time.
 
-Speaks a few 12-second espeak-ng utterances into a private temporary directory (16 kHz FLAC,
-with a little noise), then times whole training epochs (speed perturbation and dither on, the
-per-utterance CPU feature path of each backend) at each thread count. Prints a table and
-writes JSON.
+Times the real loaders (`rnnt.data.loader.build_loader`) on a real manifest, with training
+randomness on (speed perturbation, dither) and the Trainer's device transform (SpecAugment,
+frame splicing, padding) applied to every batch, at each backend, resampling device and
+worker count asked for:
 
-    python bench/data_pipeline.py --threads 1 2 --out results/data_pipeline.json
+    python bench/data_pipeline.py --manifest datasets/sentences/sentences-train.jsonl \
+        --dataset-dir datasets/sentences --backends torch dali --resampling gpu cpu \
+        --threads 4 8 --batch-size 192 --json results/data_pipeline.json
+
+- utt/s: utterances delivered per second of wall clock over the timed batches, after warm-up
+  batches (worker start, allocations); the consumer does nothing but the device transform,
+  so this is what the pipeline can feed.
+- cores: CPU time of this process and every process under it (the loader's workers, DALI's
+  threads) per second of that wall clock, read from /proc.
+- GPU ms/batch (torch backend on a GPU): the batched feature stage plus the device
+  transform, replayed on the same raw batches and timed with CUDA events. What the stage
+  steals from a training step when it runs beside it is the trainer's business
+  (`bench/gpu_session.sh realstep`).
+
+Without a GPU, `--device cpu` times the CPU feature path (features in the workers).
 """
 
 from __future__ import annotations
@@ -14,45 +28,112 @@ import argparse
 import json
 import os
 import platform
-import subprocess
-import tempfile
+import statistics
 import time
 from pathlib import Path
 
-import numpy as np
-import soundfile as sf
 import torch
 
 from rnnt.config import Config
+from rnnt.data.augment import BatchTransform
 from rnnt.data.loader import build_loader, dali_available
-from rnnt.data.manifest import Utterance
-
-SECONDS = 12.0
-RATE = 16000
-TEXTS = [
-    "the old lighthouse keeper climbed the narrow stairs every evening to light the lamp, "
-    "and from the top he watched the ships crossing the dark water toward the harbour",
-    "after the rain stopped the children ran into the garden, collecting snails and "
-    "counting the puddles, while their grandmother read quietly by the open window",
-    "a committee of engineers reviewed the proposal for the new bridge and asked for "
-    "stronger cables, wider lanes and a path for bicycles along the southern side",
-]
+from rnnt.data.manifest import read_manifest
 
 
-def speak(text: str, path: Path, seed: int) -> None:
-    """Exactly SECONDS of 16 kHz speech (repeated if espeak-ng is shorter) with noise."""
-    raw = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout
-    wav = path.with_suffix(".espeak.wav")
-    wav.write_bytes(raw)
-    converted = path.with_suffix(".16k.wav")
-    subprocess.run(["sox", str(wav), "-r", str(RATE), str(converted)], check=True)
-    speech, _ = sf.read(converted, dtype="float32")
-    n = int(SECONDS * RATE)
-    audio = np.resize(speech, n)  # np.resize repeats the signal to fill n samples
-    audio += 0.003 * np.random.default_rng(seed).standard_normal(n).astype(np.float32)
-    sf.write(path, np.clip(audio, -1, 1), RATE, subtype="PCM_16")
-    wav.unlink()
-    converted.unlink()
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, []))
+    return found
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and every live process under it."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in _descendants(os.getpid()):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
+def bench_config(
+    backend: str, device: str, resampling: str, threads: int, batch_size: int
+) -> Config:
+    cfg = Config()
+    cfg.data.backend = backend
+    cfg.data.device = "gpu" if device == "cuda" else "cpu"
+    cfg.data.resampling_device = resampling if device == "cuda" else "cpu"
+    cfg.data.num_threads = threads
+    cfg.data.num_buckets = 1
+    cfg.training.batch_size = batch_size
+    cfg.training.seed = 1
+    return cfg
+
+
+def time_loader(cfg: Config, utts, dataset_dir, device: str, warmup: int, batches: int) -> dict:
+    loader = build_loader(cfg, utts, dataset_dir, train=True, device=device)
+    transform = BatchTransform(cfg.features, train=True, dtype=torch.float16).to(device)
+    loader.set_epoch(0)
+    it = iter(loader)
+    for _ in range(warmup):
+        transform(next(it).to(device))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    utterances = 0
+    for _ in range(batches):
+        batch = next(it)
+        transform(batch.to(device))
+        utterances += len(batch)
+    sync()
+    wall = time.perf_counter() - wall0
+    cores = (cpu_seconds() - cpu0) / wall
+    del it  # the replay below restarts the loader's persistent workers
+    gpu_ms = gpu_stage_ms(loader, transform) if device == "cuda" else None
+    return {
+        "utterances_per_s": utterances / wall,
+        "cores": cores,
+        "batches": batches,
+        "gpu_ms_per_batch": gpu_ms,
+    }
+
+
+def gpu_stage_ms(loader, transform, batches: int = 10) -> float | None:
+    """Median CUDA time of the batched feature stage plus the device transform (torch
+    backend on a GPU), replayed on raw batches of the loader's own workers."""
+    stage = getattr(loader.loader, "_device_features", None)
+    if stage is None:  # DALI: its GPU work runs inside its own pipeline
+        return None
+    raw = iter(loader.loader.loader)
+    times = []
+    for _ in range(batches):
+        indices, seed, padded, lens = next(raw)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream = torch.cuda.current_stream()
+        start.record(stream)
+        feats, feat_lens, host_lens = stage(padded, lens, seed)
+        batch = loader.loader.assembler(indices, feats, feat_lens, host_lens)
+        transform(batch.to("cuda"))
+        end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def cpu_model() -> str:
@@ -65,92 +146,68 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def time_backend(
-    backend: str, threads: int, utts: list[Utterance], batch_size: int, epochs: int
-) -> float:
-    cfg = Config()
-    cfg.data.backend = backend
-    cfg.data.device = "cpu"
-    cfg.data.resampling_device = "cpu"
-    cfg.data.num_threads = threads
-    cfg.training.batch_size = batch_size
-    loader = build_loader(cfg, utts, None, train=True)
-    loader.set_epoch(0)
-    for _ in loader:  # warm-up: worker start-up, DALI allocations
-        pass
-    count = 0
-    start = time.perf_counter()
-    for epoch in range(1, epochs + 1):
-        loader.set_epoch(epoch)
-        for batch in loader:
-            count += len(batch)
-    return count / (time.perf_counter() - start)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--utterances", type=int, default=24, help="utterances per epoch")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=2, help="timed epochs after warm-up")
-    parser.add_argument("--backends", nargs="+", default=["dali", "torch"])
-    parser.add_argument("--out", default="data_pipeline.json")
+    parser.add_argument("--manifest", required=True, help="training manifest (.jsonl)")
+    parser.add_argument("--dataset-dir", required=True, help="root of its audio paths")
+    parser.add_argument("--backends", nargs="+", default=["torch", "dali"])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument(
+        "--resampling", nargs="+", choices=["gpu", "cpu"], default=["gpu"],
+        help="where speed perturbation resamples (data.resampling_device; GPU runs only)",
+    )  # fmt: skip
+    parser.add_argument("--threads", type=int, nargs="+", default=[8], help="data.num_threads")
+    parser.add_argument("--batch-size", type=int, default=192)
+    parser.add_argument("--warmup", type=int, default=5, help="untimed batches first")
+    parser.add_argument("--batches", type=int, default=40, help="timed batches")
+    parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    torch.set_num_threads(1)  # the main process only pads and stacks
+    torch.set_num_threads(1)  # the main process assembles batches; the workers decode
 
-    backends = [b for b in args.backends if b != "dali" or dali_available()]
+    utts = read_manifest(args.manifest, args.dataset_dir)
+    needed = (args.warmup + args.batches + 10) * args.batch_size
+    if len(utts) < needed:
+        raise SystemExit(f"{args.manifest}: {len(utts)} utterances, the run needs {needed}")
+    mean_s = statistics.fmean(u.duration for u in utts)
     results = []
-    with tempfile.TemporaryDirectory(prefix="rnnt-bench-") as tmp:
-        files = []
-        for i, text in enumerate(TEXTS):
-            path = Path(tmp) / f"utt{i}.flac"
-            speak(text, path, seed=i)
-            files.append(path)
-        utts = [
-            Utterance(f"u{i}", str(files[i % len(files)]), SECONDS, "x", [1])
-            for i in range(args.utterances)
-        ]
-        for backend in backends:
+    for backend in args.backends:
+        if backend == "dali" and not dali_available():
+            print("dali: not installed here, skipped")
+            continue
+        for resampling in args.resampling if args.device == "cuda" else ["cpu"]:
             for threads in args.threads:
-                rate = time_backend(backend, threads, utts, args.batch_size, args.epochs)
-                results.append(
-                    {
-                        "backend": backend,
-                        "threads": threads,
-                        "utterances_per_s": rate,
-                        "utterances_per_s_per_thread": rate / threads,
-                    }
+                cfg = bench_config(backend, args.device, resampling, threads, args.batch_size)
+                r = time_loader(cfg, utts, args.dataset_dir, args.device, args.warmup, args.batches)
+                r.update(backend=backend, resampling=resampling, threads=threads)
+                results.append(r)
+                gpu = r["gpu_ms_per_batch"]
+                print(
+                    f"{backend:5} resampling={resampling} threads={threads:2d}: "
+                    f"{r['utterances_per_s']:7.0f} utt/s, {r['cores']:5.1f} cores, "
+                    + (f"GPU {gpu:.1f} ms/batch" if gpu is not None else "GPU time n/a"),
+                    flush=True,
                 )
     machine = {
-        "platform": platform.platform(),
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "torch": torch.__version__,
     }
-    print(
-        f"{SECONDS:.0f} s utterances, training front end, batch {args.batch_size}, "
-        f"{machine['cpu']} ({machine['cpu_count']} logical CPUs)"
-    )
-    print(f"{'backend':8} {'threads':>7} {'utt/s':>8} {'utt/s/thread':>13}")
-    for r in results:
-        print(
-            f"{r['backend']:8} {r['threads']:7d} {r['utterances_per_s']:8.2f} "
-            f"{r['utterances_per_s_per_thread']:13.2f}"
+    print(f"{len(utts)} utterances, mean {mean_s:.1f} s, batch {args.batch_size}; {machine}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "manifest": args.manifest,
+                    "mean_seconds": mean_s,
+                    "batch_size": args.batch_size,
+                    "machine": machine,
+                    "results": results,
+                },
+                indent=2,
+            )
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "utterance_seconds": SECONDS,
-                "batch_size": args.batch_size,
-                "machine": machine,
-                "results": results,
-            },
-            indent=2,
-        )
-    )
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

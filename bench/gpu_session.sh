@@ -16,9 +16,19 @@
 #   bash bench/gpu_session.sh scaling     # weak scaling of the Trainer's step on 1, 2, 4, ... GPUs
 #                                         # at 192 and 24 per GPU, exposed communication
 #   bash bench/gpu_session.sh fullrun     # train.py under torchrun on 2 and 4 GPUs, with eval
+#
+# Real audio (the convergence check of docs/CONVERGENCE.md), on one warm machine, in order:
+#   bash bench/gpu_session.sh corpus      # espeak-ng from .carry/debs; the sentences corpus
+#   bash bench/gpu_session.sh pipeline    # bench/data_pipeline.py on it, every backend here
+#   bash bench/gpu_session.sh realstep    # the trainer's step on its audio vs synthetic batches
+#   bash bench/gpu_session.sh converge    # both runs of configs/convergence/, in the background
+#   bash bench/gpu_session.sh wait        # until they end (or this call's time); their metrics
+#   bash bench/gpu_session.sh evalparity  # eval.py in every decoder mode; compliance checker
+# DALI travels as parts of its wheel, one per call (.carry/dali/*, split -b 50M); each call
+# keeps its part in /tmp/dali_parts, and the call that has them all installs DALI.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
-phase=${1:?phase: tests | loss | step | lstm | decode | train | truth | multi | scaling | fullrun}
+phase=${1:?phase: tests | loss | step | lstm | decode | train | truth | multi | scaling | fullrun | corpus | pipeline | realstep | converge | wait | evalparity}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
 # the spoken-digits corpus the distributed tests train on (this machine has no espeak-ng):
@@ -33,7 +43,29 @@ if [ -d "$WHEELS" ] && ! python3 -c "import librosa, mlperf_logging" 2>/dev/null
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$WHEELS"/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+if [ -d .carry/dali ]; then
+  mkdir -p /tmp/dali_parts && cp -n .carry/dali/* /tmp/dali_parts/ 2>/dev/null
+fi
+if [ -f /tmp/dali_parts/SHA256SUMS ] && [ ! -d /tmp/dali_site ]; then
+  wheel=$(cut -d' ' -f3 /tmp/dali_parts/SHA256SUMS)
+  if cat /tmp/dali_parts/"$wheel".part* > "/tmp/$wheel" 2>/dev/null \
+      && (cd /tmp && sha256sum --quiet -c /tmp/dali_parts/SHA256SUMS); then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dali_site "/tmp/$wheel"
+  else
+    echo "DALI: $(find /tmp/dali_parts -name '*.part*' | wc -l) parts here, not all yet"
+  fi
+fi
+if [ -d /tmp/dali_site ]; then export PYTHONPATH=/tmp/dali_site:$PYTHONPATH; fi
+# espeak-ng from Debian packages (../shared/tools/espeak-debs.sh made .carry/debs)
+if [ -d .carry/debs ] && ! command -v espeak-ng >/dev/null; then
+  [ -d /tmp/esp ] || for f in .carry/debs/*.deb; do dpkg -x "$f" /tmp/esp; done
+  lib=/tmp/esp/usr/lib/x86_64-linux-gnu
+  export LD_LIBRARY_PATH=$lib:$lib/pulseaudio${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export ESPEAK_DATA_PATH=$lib/espeak-ng-data PATH=/tmp/esp/usr/bin:$PATH
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+corpus=datasets/sentences
+runs=results/convergence
 
 case "$phase" in
   tests)
@@ -101,5 +133,75 @@ case "$phase" in
       cp "/tmp/rnnt_full$n/metrics.jsonl" "$OUT/fullrun_metrics_$n.jsonl"
       ls -R "/tmp/rnnt_full$n/checkpoints" > "$OUT/fullrun_checkpoints_$n.txt"
     done ;;
+  corpus)
+    ldd "$(command -v espeak-ng)" | grep -i "not found"
+    start=$(date +%s)
+    bash scripts/prepare_synthetic_corpus.sh sentences "$corpus" 1023 --wav --train "${TRAIN:-30000}" \
+      --durations librispeech --held-out-speakers 12 --seed 1 2>&1 | tee "$OUT/corpus.log"
+    { echo "built in $(( $(date +%s) - start )) s on $(nproc) cores"
+      du -sh "$corpus" "$corpus"/train "$corpus"/train-wav "$corpus"/dev-wav
+      cat "$corpus/synthetic_corpus.json"; } | tee "$OUT/corpus.txt" ;;
+  pipeline)
+    python3 bench/data_pipeline.py --manifest "$corpus/sentences-train.jsonl" --dataset-dir "$corpus" \
+      --backends torch dali --resampling gpu cpu --threads 4 8 --json "$OUT/data_pipeline.json" \
+      2>&1 | tee "$OUT/data_pipeline.log" ;;
+  realstep)
+    # the fast path's trainer for one epoch on the corpus's audio, then on synthetic batches of
+    # the same utterances' lengths and transcripts (a lengths table written from the manifest)
+    for split in train dev; do
+      python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    u = json.loads(line)
+    print(u["utt_id"], u["duration"], u["transcript"], sep="\t")' \
+        "$corpus/sentences-$split.jsonl" > "/tmp/sentences_${split}_lengths.tsv"
+    done
+    for data in real synthetic; do
+      extra=()
+      [ "$data" = synthetic ] && extra=(--set data.backend=synthetic
+        --set data.synthetic_train_lengths=/tmp/sentences_train_lengths.tsv
+        --set data.synthetic_val_lengths=/tmp/sentences_dev_lengths.tsv)
+      python3 train.py configs/convergence/sentences.yaml --set training.epochs=1 \
+        --set training.output_dir="/tmp/step_$data" "${extra[@]}" 2>&1 | tee "$OUT/realstep_$data.log" \
+        | grep -v Warning
+      cp "/tmp/step_$data/metrics.jsonl" "$OUT/realstep_${data}_metrics.jsonl"
+    done
+    python3 scripts/plot_metrics.py "$OUT/realstep_real_metrics.jsonl" \
+      "$OUT/realstep_synthetic_metrics.jsonl" --labels real synthetic --summary-only ;;
+  converge)
+    # both paths at once on this GPU, detached so that later calls can wait for them
+    mkdir -p "$runs"
+    for path in fast plain; do
+      config=configs/convergence/sentences.yaml
+      [ "$path" = plain ] && config=configs/convergence/sentences_plain.yaml
+      setsid nohup python3 train.py "$config" ${SEED:+--set training.seed=$SEED} \
+        --set training.output_dir="$runs/$path${SEED:+_s$SEED}" \
+        > "$runs/$path${SEED:+_s$SEED}.log" 2>&1 < /dev/null &
+      echo "$path: pid $!"
+    done ;;
+  wait)
+    # until every run of `converge` has ended, or this call's time is nearly up
+    deadline=$(( $(date +%s) + ${WAIT_S:-540} ))
+    while pgrep -f "train.py configs/convergence" >/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do
+      sleep 10
+    done
+    for log in "$runs"/*.log; do
+      name=$(basename "$log" .log)
+      cp "$log" "$OUT/$name.log"
+      cp "$runs/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+      echo "== $name"; grep -v Warning "$log" | tail -n 4
+    done
+    pgrep -fa "train.py configs/convergence" || echo "all runs ended" ;;
+  evalparity)
+    # the fast run's final checkpoint scored by eval.py in every decoder mode
+    ckpt=$(find "$runs/fast/checkpoints" -mindepth 1 -maxdepth 1 -name 'ckpt_*' -printf '%T@ %p\n' \
+      | sort -n | tail -n 1 | cut -d' ' -f2-)
+    for mode in no_cg cg cg_unroll_pipeline; do
+      python3 eval.py configs/convergence/sentences.yaml "$ckpt" --mode "$mode" \
+        --output "/tmp/hyp_$mode.jsonl" 2>&1 | grep -v Warning | tee "$OUT/eval_$mode.log"
+    done
+    grep -h '"eval_accuracy"' "$runs/fast/mlperf.log" | tail -n 1 | tee "$OUT/last_eval.txt"
+    python3 -m mlperf_logging.compliance_checker --usage training --ruleset 3.1.0 \
+      --log_output "$OUT/compliance_checker.log" "$runs/fast/mlperf.log" 2>&1 | tail -n 3
+    cp "$runs/fast/mlperf.log" "$OUT/fast_mlperf.log" ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -23,23 +23,10 @@ SEED=${SEED:-1}
 
 step() { printf '\n== %s\n' "$*"; }
 
-step "1/6 synthesize the digits corpus ($TRAIN_UTTS train, $DEV_UTTS dev) in $DATA"
-python3 scripts/make_synthetic_corpus.py digits "$DATA" --train "$TRAIN_UTTS" --dev "$DEV_UTTS" \
-  --seed "$SEED" --no-progress
-
-step "2/6 manifests (validated)"
-python3 scripts/build_manifest.py --dataset-dir "$DATA" --splits train --max-duration 16.7 \
-  --output "$DATA/digits-train-raw.jsonl" --no-progress
-python3 scripts/build_manifest.py --dataset-dir "$DATA" --splits dev \
-  --output "$DATA/digits-dev-raw.jsonl" --no-progress
-
-step "3/6 tokenizer ($VOCAB pieces) and token ids"
-python3 scripts/train_tokenizer.py --manifests "$DATA/digits-train-raw.jsonl" \
-  --vocab-size "$VOCAB" --output-prefix "$DATA/tokenizer$VOCAB"
-for split in train dev; do
-  python3 scripts/build_manifest.py --dataset-dir "$DATA" --from-manifest "$DATA/digits-$split-raw.jsonl" \
-    --tokenizer "$DATA/tokenizer$VOCAB.model" --output "$DATA/digits-$split.jsonl" --no-progress
-done
+step "1-3/6 synthesize the digits corpus ($TRAIN_UTTS train, $DEV_UTTS dev) in $DATA, \
+validated manifests, a $VOCAB-piece tokenizer and token ids"
+bash scripts/prepare_synthetic_corpus.sh digits "$DATA" "$VOCAB" --train "$TRAIN_UTTS" \
+  --dev "$DEV_UTTS" --seed "$SEED"
 
 step "4/6 train configs/tiny.yaml to the 5.8% WER target"
 python3 train.py configs/tiny.yaml --device cpu \

@@ -1,11 +1,18 @@
-"""Draw the training loss (with the learning rate) and the dev WER of a run to a PNG.
+"""Draw the training loss (with the learning rate) and the dev WER of runs to a PNG.
 
 python scripts/plot_metrics.py results/metrics.jsonl [--out results/metrics.png]
+python scripts/plot_metrics.py fast/metrics.jsonl plain/metrics.jsonl --labels fast plain \
+    --out curves.png --table
+
+Several runs are drawn over each other. `--table` prints, per epoch, each run's mean training
+loss and its dev WER as a Markdown table; every call prints each run's summary (median step
+time and data wait over its logged windows, last WER).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -17,64 +24,136 @@ import matplotlib.pyplot as plt
 from rnnt.run_log import read_metrics
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _numeric(records: list[dict], x: str, y: str) -> tuple[list[float], list[float]]:
     """(x, y) pairs where y is a number ("nan"/"inf" strings are left out)."""
-    pairs = [
-        (r[x], r[y])
-        for r in records
-        if isinstance(r.get(y), (int, float)) and isinstance(r.get(x), (int, float))
-    ]
+    pairs = [(r[x], r[y]) for r in records if _is_number(r.get(y)) and _is_number(r.get(x))]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def plot(records: list[dict], out: Path) -> None:
-    train = [r for r in records if r["kind"] == "train"]
-    evals = [r for r in records if r["kind"] == "eval"]
-    fig, (ax_loss, ax_wer) = plt.subplots(1, 2, figsize=(12, 4.5))
+def _train(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["kind"] == "train"]
 
-    steps, losses = _numeric(train, "step", "loss")
-    ax_loss.plot(steps, losses, color="tab:blue", label="train loss")
+
+def _evals(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["kind"] == "eval"]
+
+
+def plot(runs: dict[str, list[dict]], out: Path) -> None:
+    fig, (ax_loss, ax_wer) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax_lr = ax_loss.twinx()
+    several = len(runs) > 1
+    for name, records in runs.items():
+        steps, losses = _numeric(_train(records), "step", "loss")
+        ax_loss.plot(steps, losses, label=f"{name} train loss" if several else "train loss")
+        epochs, wers = _numeric(_evals(records), "epoch", "wer")
+        ax_wer.plot(
+            epochs, [100 * w for w in wers], marker="o", label=f"{name} dev WER" if several else
+            "dev WER",
+        )  # fmt: skip
+    first = next(iter(runs.values()))
+    lr_steps, lrs = _numeric(_train(first), "step", "lr")
+    ax_lr.plot(lr_steps, lrs, color="tab:gray", linestyle="--", label="learning rate")
+    ax_lr.set_ylabel("learning rate")
+    if all(v > 0 for line in ax_loss.get_lines() for v in line.get_ydata()) and any(
+        len(line.get_ydata()) for line in ax_loss.get_lines()
+    ):
+        ax_loss.set_yscale("log")
     ax_loss.set_xlabel("optimizer step")
     ax_loss.set_ylabel("loss (mean per-utterance NLL)")
-    if losses and min(losses) > 0:
-        ax_loss.set_yscale("log")
-    ax_lr = ax_loss.twinx()
-    lr_steps, lrs = _numeric(train, "step", "lr")
-    ax_lr.plot(lr_steps, lrs, color="tab:orange", linestyle="--", label="learning rate")
-    ax_lr.set_ylabel("learning rate")
     ax_loss.set_title("training")
     lines = ax_loss.get_lines() + ax_lr.get_lines()
     ax_loss.legend(lines, [line.get_label() for line in lines], loc="upper right")
-
-    epochs, wers = _numeric(evals, "epoch", "wer")
-    ax_wer.plot(epochs, [100 * w for w in wers], marker="o", color="tab:green", label="dev WER")
     ax_wer.axhline(5.8, color="tab:red", linestyle=":", label="MLPerf target 5.8%")
     ax_wer.set_xlabel("epoch")
     ax_wer.set_ylabel("WER (%)")
     ax_wer.set_title("evaluation (EMA weights)")
     ax_wer.legend(loc="upper right")
-
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
 
 
+def epoch_table(runs: dict[str, list[dict]]) -> str:
+    """Markdown: per epoch, each run's mean logged training loss and its dev WER (%)."""
+    per_run = {}
+    for name, records in runs.items():
+        losses: dict[int, list[float]] = {}
+        for r in _train(records):
+            if _is_number(r.get("loss")):
+                losses.setdefault(r["epoch"], []).append(r["loss"])
+        wers = {r["epoch"]: r["wer"] for r in _evals(records) if _is_number(r.get("wer"))}
+        per_run[name] = ({e: statistics.fmean(v) for e, v in losses.items()}, wers)
+    epochs = sorted({e for loss, wer in per_run.values() for e in (*loss, *wer)})
+    header = "| epoch | " + " | ".join(f"{n} loss | {n} WER %" for n in runs) + " |"
+    rule = "| --- |" + " --- | --- |" * len(runs)
+    rows = [header, rule]
+    for e in epochs:
+        cells = []
+        for loss, wer in per_run.values():
+            cells.append(f"{loss[e]:.2f}" if e in loss else "")
+            cells.append(f"{100 * wer[e]:.2f}" if e in wer else "")
+        rows.append(f"| {e} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def summary(name: str, records: list[dict]) -> str:
+    """Median step time and data-wait share over the logged windows (each epoch's first one,
+    which holds warm-up, CUDA graph capture or the evaluation's aftermath, left out)."""
+    train = _train(records)
+    seen, steady = set(), []
+    for r in train:
+        if r["epoch"] in seen:
+            steady.append(r)
+        seen.add(r["epoch"])
+    steady = steady or train
+    step_ms = [r["step_ms"] for r in steady if _is_number(r.get("step_ms"))]
+    waits = [r["data_wait_share"] for r in steady if _is_number(r.get("data_wait_share"))]
+    evals = [r for r in _evals(records) if _is_number(r.get("wer"))]
+    parts = [f"{name}: {len(train)} log points"]
+    if step_ms:
+        parts.append(f"median step {statistics.median(step_ms):.2f} ms over {len(step_ms)} windows")
+    if waits:
+        parts.append(f"median data wait {100 * statistics.median(waits):.1f}%")
+    if evals:
+        parts.append(f"last WER {100 * evals[-1]['wer']:.2f}% (epoch {evals[-1]['epoch']})")
+    return ", ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("metrics", type=Path, help="metrics.jsonl written by training")
+    parser.add_argument("metrics", type=Path, nargs="+", help="metrics.jsonl written by training")
+    parser.add_argument("--labels", nargs="+", default=None, help="one name per metrics file")
     parser.add_argument("--out", type=Path, default=None, help="PNG (default: beside METRICS)")
+    parser.add_argument("--table", action="store_true", help="print the per-epoch table")
+    parser.add_argument("--summary-only", action="store_true", help="draw nothing")
     args = parser.parse_args(argv)
-    if not args.metrics.is_file():
-        print(f"error: metrics file not found: {args.metrics}", file=sys.stderr)
+    labels = args.labels or [p.parent.name or str(p) for p in args.metrics]
+    if len(labels) != len(args.metrics) or len(set(labels)) != len(labels):
+        print(f"error: {len(args.metrics)} metrics files need as many distinct labels, got "
+              f"{labels}", file=sys.stderr)  # fmt: skip
         return 2
-    try:
-        records = read_metrics(args.metrics)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    out = args.out or args.metrics.with_suffix(".png")
-    plot(records, out)
-    print(f"wrote {out}")
+    runs = {}
+    for label, path in zip(labels, args.metrics, strict=True):
+        if not path.is_file():
+            print(f"error: metrics file not found: {path}", file=sys.stderr)
+            return 2
+        try:
+            runs[label] = read_metrics(path)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    for label, records in runs.items():
+        print(summary(label, records))
+    if args.table:
+        print(epoch_table(runs))
+    if not args.summary_only:
+        out = args.out or args.metrics[0].with_suffix(".png")
+        plot(runs, out)
+        print(f"wrote {out}")
     return 0
 
 

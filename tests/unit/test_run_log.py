@@ -122,3 +122,32 @@ def test_plot_script_writes_png(tmp_path, repo_root):
     result = subprocess.run([sys.executable, str(script), str(bad)], capture_output=True,
                             text=True, timeout=120)  # fmt: skip
     assert result.returncode == 2 and "bad.jsonl:1" in result.stderr
+
+
+def test_plot_script_compares_runs_epoch_by_epoch(tmp_path, repo_root):
+    """Two runs: the table holds each epoch's mean logged loss and dev WER per run, and the
+    summary the median step time of the windows after each epoch's first."""
+    for name, scale in (("fast", 1.0), ("plain", 2.0)):
+        with RunLog(tmp_path / name) as log:
+            for step in range(1, 7):
+                epoch = 1 + (step - 1) // 3
+                log.step(step=step, epoch=epoch, loss=scale * step, lr=1e-3, loss_scale=512.0,
+                         skipped_steps=0, window=window())  # fmt: skip
+                if step % 3 == 0:
+                    log.eval(epoch=epoch, step=step, wer=scale * 0.1 / epoch, utterances=10,
+                             seconds=1)  # fmt: skip
+    script = repo_root / "scripts" / "plot_metrics.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "fast" / METRICS_FILE),
+         str(tmp_path / "plain" / METRICS_FILE), "--labels", "fast", "plain", "--table",
+         "--out", str(tmp_path / "both.png")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "| epoch | fast loss | fast WER % | plain loss | plain WER % |" in lines
+    assert "| 1 | 2.00 | 10.00 | 4.00 | 20.00 |" in lines  # losses 1,2,3 and 2,4,6
+    assert "| 2 | 5.00 | 5.00 | 10.00 | 10.00 |" in lines
+    assert lines[0].startswith("fast: 6 log points, median step")
+    assert "last WER 5.00% (epoch 2)" in lines[0]
+    assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
