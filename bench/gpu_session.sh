@@ -60,7 +60,7 @@ if [ -d /tmp/dali_site ]; then export PYTHONPATH=/tmp/dali_site:$PYTHONPATH; fi
 if [ -d .carry/debs ] && ! command -v espeak-ng >/dev/null; then
   [ -d /tmp/esp ] || for f in .carry/debs/*.deb; do dpkg -x "$f" /tmp/esp; done
   lib=/tmp/esp/usr/lib/x86_64-linux-gnu
-  export LD_LIBRARY_PATH=$lib:$lib/pulseaudio${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export LD_LIBRARY_PATH=$lib:$lib/pulseaudio:/tmp/esp/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export ESPEAK_DATA_PATH=$lib/espeak-ng-data PATH=/tmp/esp/usr/bin:$PATH
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -161,6 +161,7 @@ for line in open(sys.argv[1]):
         --set data.synthetic_train_lengths=/tmp/sentences_train_lengths.tsv
         --set data.synthetic_val_lengths=/tmp/sentences_dev_lengths.tsv)
       python3 train.py configs/convergence/sentences.yaml --set training.epochs=1 \
+        --set data.resampling_device="${RESAMPLING:-gpu}" \
         --set training.output_dir="/tmp/step_$data" "${extra[@]}" 2>&1 | tee "$OUT/realstep_$data.log" \
         | grep -v Warning
       cp "/tmp/step_$data/metrics.jsonl" "$OUT/realstep_${data}_metrics.jsonl"
@@ -168,15 +169,18 @@ for line in open(sys.argv[1]):
     python3 scripts/plot_metrics.py "$OUT/realstep_real_metrics.jsonl" \
       "$OUT/realstep_synthetic_metrics.jsonl" --labels real synthetic --summary-only ;;
   converge)
-    # both paths at once on this GPU, detached so that later calls can wait for them
+    # the runs named in RUNS (fast, plain) for each seed in SEEDS, all at once on this GPU,
+    # detached so that later calls can wait for them
     mkdir -p "$runs"
-    for path in fast plain; do
-      config=configs/convergence/sentences.yaml
-      [ "$path" = plain ] && config=configs/convergence/sentences_plain.yaml
-      setsid nohup python3 train.py "$config" ${SEED:+--set training.seed=$SEED} \
-        --set training.output_dir="$runs/$path${SEED:+_s$SEED}" \
-        > "$runs/$path${SEED:+_s$SEED}.log" 2>&1 < /dev/null &
-      echo "$path: pid $!"
+    for seed in ${SEEDS:-1}; do
+      for path in ${RUNS:-fast plain}; do
+        config=configs/convergence/sentences.yaml
+        [ "$path" = plain ] && config=configs/convergence/sentences_plain.yaml
+        name="${path}_s$seed"
+        setsid nohup python3 train.py "$config" --set training.seed="$seed" \
+          --set training.output_dir="$runs/$name" > "$runs/$name.log" 2>&1 < /dev/null &
+        echo "$name: pid $!"
+      done
     done ;;
   wait)
     # until every run of `converge` has ended, or this call's time is nearly up
@@ -193,15 +197,16 @@ for line in open(sys.argv[1]):
     pgrep -fa "train.py configs/convergence" || echo "all runs ended" ;;
   evalparity)
     # the fast run's final checkpoint scored by eval.py in every decoder mode
-    ckpt=$(find "$runs/fast/checkpoints" -mindepth 1 -maxdepth 1 -name 'ckpt_*' -printf '%T@ %p\n' \
+    ckpt=$(find "$runs/${FAST_RUN:-fast_s1}/checkpoints" -mindepth 1 -maxdepth 1 -name 'ckpt_*' -printf '%T@ %p\n' \
       | sort -n | tail -n 1 | cut -d' ' -f2-)
     for mode in no_cg cg cg_unroll_pipeline; do
       python3 eval.py configs/convergence/sentences.yaml "$ckpt" --mode "$mode" \
         --output "/tmp/hyp_$mode.jsonl" 2>&1 | grep -v Warning | tee "$OUT/eval_$mode.log"
     done
-    grep -h '"eval_accuracy"' "$runs/fast/mlperf.log" | tail -n 1 | tee "$OUT/last_eval.txt"
+    log="$runs/${FAST_RUN:-fast_s1}/mlperf.log"
+    grep -h '"eval_accuracy"' "$log" | tail -n 1 | tee "$OUT/last_eval.txt"
     python3 -m mlperf_logging.compliance_checker --usage training --ruleset 3.1.0 \
-      --log_output "$OUT/compliance_checker.log" "$runs/fast/mlperf.log" 2>&1 | tail -n 3
-    cp "$runs/fast/mlperf.log" "$OUT/fast_mlperf.log" ;;
+      --log_output "$OUT/compliance_checker.log" "$log" 2>&1 | tail -n 3
+    cp "$log" "$OUT/fast_mlperf.log" ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

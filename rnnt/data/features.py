@@ -60,17 +60,24 @@ class AudioFileError(RuntimeError):
     """An audio file that cannot be read; the message names the file."""
 
 
-def read_audio(path: str) -> tuple[np.ndarray, int]:
-    """(mono float32 samples, sample rate) of an audio file; channels are averaged."""
+def read_audio(path: str, pcm16: bool = False) -> tuple[np.ndarray, int]:
+    """(mono float32 samples, sample rate) of an audio file; channels are averaged.
+
+    pcm16: a mono file comes back as its int16 samples (x 32768 of the float32 ones), which
+    the GPU feature stage scales itself: half the bytes to pad, share and copy, and no
+    conversion on the CPU. Files of several channels come back averaged in float32.
+    """
     if not os.path.isfile(path):
         raise AudioFileError(f"{path}: audio file not found")
     try:
-        samples, rate = sf.read(path, dtype="float32", always_2d=True)
+        samples, rate = sf.read(path, dtype="int16" if pcm16 else "float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, ValueError) as err:
         raise AudioFileError(f"{path}: cannot decode audio ({err})") from None
     if samples.shape[0] == 0:
         raise AudioFileError(f"{path}: audio file has no samples")
-    return samples.mean(axis=1, dtype=np.float32), rate
+    if samples.shape[1] == 1:
+        return (samples[:, 0] if pcm16 else samples[:, 0].copy()), rate
+    return samples.mean(axis=1, dtype=np.float32) / (32768 if pcm16 else 1), rate
 
 
 def hann_window(length: int) -> torch.Tensor:
@@ -127,12 +134,16 @@ def resample(
     lengths: torch.Tensor,
     ratio: torch.Tensor,
     ratio_range: tuple[float, float],
+    use_kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Windowed-sinc resampling with a per-utterance ratio (out rate / in rate).
 
     wave (B, S) float, lengths (B,) int64, ratio (B,) float64 inside ratio_range = (lo, hi),
     which fixes the output width and tap count without reading `ratio` back (sync-free).
     Returns (B, ceil(S * hi)) and the output lengths ceil(lengths * ratio).
+
+    This is the reference; float32 batches on a GPU run rnnt.kernels.resample, which computes
+    the same sums in registers instead of a float64 (B, N, taps) gather (tested against this).
     """
     batch, width = wave.shape
     device = wave.device
@@ -140,8 +151,15 @@ def resample(
     out_lens = torch.ceil(lengths.to(torch.float64) * ratio).to(torch.int64)
     lo, hi = ratio_range
     out_width = math.ceil(width * hi)
-    cutoff = torch.clamp(ratio, max=1.0)  # (B,) low-pass at the lower Nyquist rate
     half = math.ceil(RESAMPLE_LOBES / min(1.0, lo))  # the lowest ratio needs the widest kernel
+    if use_kernel and wave.is_cuda and wave.dtype == torch.float32:
+        from rnnt.kernels.resample import resample_cuda
+
+        return (
+            resample_cuda(wave, lengths, out_lens, ratio, out_width, half, RESAMPLE_LOBES),
+            out_lens,
+        )
+    cutoff = torch.clamp(ratio, max=1.0)  # (B,) low-pass at the lower Nyquist rate
     taps = torch.arange(-half + 1, half + 1, device=device, dtype=torch.float64)
     out = torch.zeros(batch, out_width, dtype=wave.dtype, device=device)
     chunk = max(1, _RESAMPLE_CHUNK_ELEMS // max(1, batch * taps.numel()))
@@ -165,8 +183,10 @@ def resample(
 
 
 def draw_speeds(cfg: FeaturesConfig, batch: int, generator: torch.Generator | None) -> torch.Tensor:
-    """(B,) float64 speeds ~ U[speed_perturbation_min, speed_perturbation_max] on the CPU."""
-    u = torch.rand(batch, generator=generator, dtype=torch.float64)
+    """(B,) float64 speeds ~ U[speed_perturbation_min, speed_perturbation_max] on the CPU,
+    drawn on the generator's device."""
+    device = generator.device if generator is not None else None
+    u = torch.rand(batch, generator=generator, dtype=torch.float64, device=device).cpu()
     lo, hi = cfg.speed_perturbation_min, cfg.speed_perturbation_max
     return lo + (hi - lo) * u
 
@@ -267,7 +287,8 @@ class FeatureExtractor(nn.Module):
         generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        wave = wave.float()
+        # int16 rows are PCM samples (rnnt.data.features.read_audio(pcm16=True))
+        wave = wave.float() * (1.0 / 32768) if wave.dtype == torch.int16 else wave.float()
         lengths = lengths.to(device=wave.device, dtype=torch.int64)
         if self.speed_perturb:
             speeds = draw_speeds(cfg, wave.shape[0], generator)

@@ -176,13 +176,19 @@ class AudioDataset(Dataset):
         """(index, seed, features (F, T) or 16 kHz waveform (S,))."""
         index, seed = key
         cfg = self.cfg
-        samples, rate = read_audio(audio_path(self.utts[index], self.dataset_dir))
+        # raw PCM when this worker only decodes: the GPU stage converts it
+        raw = self.extractor is None and not self.perturb
+        samples, rate = read_audio(audio_path(self.utts[index], self.dataset_dir), pcm16=raw)
         generator = torch.Generator().manual_seed(seed)
         speed = float(draw_speeds(cfg, 1, generator)[0]) if self.perturb else 1.0
         if rate != cfg.sample_rate or speed != 1.0:
+            if samples.dtype == np.int16:
+                samples = samples.astype(np.float32) / 32768
             # soxr: 0.8 s of torch sinc taps per 12 s utterance become about 2 ms
             samples = soxr.resample(samples, rate, cfg.sample_rate / speed, quality="HQ")
-        wave = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32))
+        if samples.dtype != np.int16:
+            samples = np.ascontiguousarray(samples, dtype=np.float32)
+        wave = torch.from_numpy(samples)
         if self.extractor is None:
             return index, seed, wave
         feats, frames = self.extractor(wave[None], torch.tensor([wave.shape[0]]), generator)
@@ -313,8 +319,12 @@ class TorchFeatureLoader:
 
 
 def _collate(items: list[tuple[int, int, torch.Tensor]]):
-    """Runs in the workers: (indices, batch seed, padded rows, lengths)."""
-    padded, lens = pad_stack([row for _, _, row in items])
+    """Runs in the workers: (indices, batch seed, padded rows, lengths). Rows are int16 PCM
+    or float32 (resampled, or averaged from several channels); a batch of both is float32."""
+    rows = [row for _, _, row in items]
+    if len({row.dtype for row in rows}) > 1:
+        rows = [row.float() / 32768 if row.dtype == torch.int16 else row for row in rows]
+    padded, lens = pad_stack(rows)
     return [i for i, _, _ in items], derive_seed(*(s for _, s, _ in items)), padded, lens
 
 

@@ -3,6 +3,8 @@ brute-force loops (silence trim, normalization), analytic sinusoids (resampling)
 
 from __future__ import annotations
 
+import math
+
 import librosa
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import torch
 
 from rnnt.config import FeaturesConfig
 from rnnt.data.features import (
+    RESAMPLE_LOBES,
     TRIM_WINDOW,
     AudioFileError,
     FeatureExtractor,
@@ -201,3 +204,36 @@ def test_read_audio_names_missing_and_corrupt_files(tmp_path):
     (tmp_path / "bad.flac").write_bytes(b"fLaC" + bytes(range(200)))
     with pytest.raises(AudioFileError, match="bad.flac: cannot decode audio"):
         read_audio(str(tmp_path / "bad.flac"))
+
+
+@pytest.mark.parametrize(
+    "device,width",
+    [("cpu", 3_000), pytest.param("cuda", 300_000, marks=pytest.mark.gpu)],
+)
+def test_resample_kernel_equals_the_reference(device, width):
+    """rnnt.kernels.resample against the float64 gather of `resample`, at the training speed
+    range, with ragged lengths, downsampling and upsampling rows, and (on the GPU) a long row
+    whose input positions float32 could not place. The CPU case runs Triton's interpreter."""
+    pytest.importorskip("triton")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from rnnt.kernels.resample import resample_cuda
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([width, 1, 2048, width * 4 // 7, width - 1, 64])
+    wave = torch.randn(len(lengths), width, generator=gen) * 0.3
+    wave *= torch.arange(width)[None] < lengths[:, None]  # padding is zero, as in a batch
+    ratio = 1.0 / torch.tensor([0.85, 1.15, 1.0, 0.9137, 1.0712, 1.149], dtype=torch.float64)
+    ratio_range = (1 / 1.15, 1 / 0.85)
+    wave, lengths, ratio = wave.to(device), lengths.to(device), ratio.to(device)
+    ref, ref_lens = resample(wave, lengths, ratio, ratio_range, use_kernel=False)
+    half = math.ceil(RESAMPLE_LOBES / ratio_range[0])
+    got = resample_cuda(wave, lengths, ref_lens, ratio, ref.shape[1], half, RESAMPLE_LOBES)
+    if device == "cuda":  # the dispatch inside `resample`
+        dispatched, lens = resample(wave, lengths, ratio, ratio_range)
+        assert torch.equal(dispatched, got) and torch.equal(lens, ref_lens)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    err = (got - ref).abs().max().item()
+    assert err < 2e-5 * wave.abs().max().item(), err
+    for b, n in enumerate(ref_lens.tolist()):
+        assert torch.all(got[b, n:] == 0)

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import librosa
+import numpy as np
 import pytest
 import soundfile as sf
 import torch
@@ -18,7 +19,7 @@ import torch
 import rnnt.data.dali as dali_module
 from rnnt.config import Config
 from rnnt.data.features import AudioFileError, FeatureExtractor, read_audio
-from rnnt.data.loader import build_loader, resolve_backend
+from rnnt.data.loader import audio_path, build_loader, resolve_backend
 from rnnt.data.manifest import Utterance, read_manifest
 from rnnt.data.synthetic_corpus import plan_split, synthesize
 from rnnt.data.tokenizer import Tokenizer, train_tokenizer
@@ -243,3 +244,30 @@ def test_gpu_feature_stage_on_its_side_stream_matches_the_cpu_stage(corpus):
         n = int(c.feat_lens.max())
         diff = (g.feats[:, :, :n].cpu() - c.feats[:, :, :n]).abs()
         assert float(diff.max()) < 1e-2 and float(diff.mean()) < 1e-4
+
+
+def test_decode_only_workers_hand_over_pcm_that_the_feature_stage_scales(corpus, tmp_path):
+    """With the feature stage on the device, workers pad int16 PCM; the stage's features equal
+    those of the float32 samples, and a batch that mixes a stereo file (averaged in float32)
+    with mono ones is float32 throughout."""
+    utts, _, root = corpus
+    cfg = _cfg(device="gpu")
+    cfg.features.dither = 0.0
+    batch = next(iter(build_loader(cfg, utts, root, train=False).loader.loader))
+    assert batch[2].dtype == torch.int16
+    samples, rate = read_audio(audio_path(utts[batch[0][0]], root))
+    first = batch[2][:1, : len(samples)]
+    assert torch.equal(first.float() / 32768, torch.from_numpy(samples)[None])
+    extractor = FeatureExtractor(cfg.features, train=False)
+    from_pcm, _ = extractor(first, torch.tensor([len(samples)]))
+    from_float, _ = extractor(torch.from_numpy(samples)[None], torch.tensor([len(samples)]))
+    assert torch.equal(from_pcm, from_float)
+
+    samples, rate = read_audio(audio_path(utts[0], root))
+    stereo = tmp_path / "stereo.wav"
+    sf.write(stereo, np.stack([samples, 0.5 * samples], axis=1), rate, subtype="PCM_16")
+    two = [utts[0], Utterance("stereo", str(stereo), len(samples) / rate, "x", [1])]
+    mixed = next(iter(build_loader(cfg, two, root, train=False).loader.loader))
+    assert mixed[2].dtype == torch.float32
+    rows = dict(zip(mixed[0], mixed[2], strict=True))
+    assert torch.allclose(rows[1][: len(samples)], torch.from_numpy(0.75 * samples), atol=1e-4)
