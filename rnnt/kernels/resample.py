@@ -36,23 +36,38 @@ def _resample_kernel(
     ratio = tl.load(ratio_ptr + row)
     length = tl.load(lengths_ptr + row)
     out_length = tl.load(out_lengths_ptr + row)
-    cutoff = tl.minimum(ratio, 1.0).to(tl.float32)
+    cutoff = tl.minimum(ratio, 1.0)
     src = (n.to(tl.float64) + 0.5) / ratio - 0.5
     base = tl.floor(src)
-    frac = (src - base).to(tl.float32)
-    first = base.to(tl.int64)
+    frac = src - base
+    first = base.to(tl.int64) - HALF + 1
     valid = n < out_length
+    # The taps' angles pi * cutoff * (frac - t) step by -pi * cutoff from tap to tap: their sines
+    # and cosines (and the Hann envelope's, at 1/LOBES of the angle) come from one sin/cos per
+    # output sample and a rotation per tap (a few multiply-adds instead of two transcendental
+    # calls), in float64 so that 2 x HALF rotations stay exact to float32.
+    step = 3.141592653589793 * cutoff
+    angle = step * (frac + HALF - 1)
+    sin_a, cos_a = tl.sin(angle), tl.cos(angle)
+    sin_e, cos_e = tl.sin(angle / LOBES), tl.cos(angle / LOBES)
+    sin_s, cos_s = tl.sin(step), tl.cos(step)
+    sin_se, cos_se = tl.sin(step / LOBES), tl.cos(step / LOBES)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for t in tl.static_range(-HALF + 1, HALF + 1):
-        idx = first + t
-        dist = (frac - t) * cutoff
-        angle = 3.141592653589793 * dist
-        sinc = tl.where(dist == 0.0, 1.0, tl.sin(angle) / angle)
-        envelope = 0.5 * (1.0 + tl.cos(angle / LOBES))
-        weight = tl.where(tl.abs(dist) < LOBES, sinc * envelope * cutoff, 0.0)
+    for k in tl.static_range(0, 2 * HALF):
+        idx = first + k
+        # near zero the rotated sine keeps its absolute, not its relative, accuracy
+        near_zero = tl.abs(angle) < 1e-6
+        safe = tl.where(near_zero, 1.0, angle).to(tl.float32)
+        sinc = tl.where(near_zero, 1.0, sin_a.to(tl.float32) / safe)
+        envelope = 0.5 * (1.0 + cos_e.to(tl.float32))
+        inside_window = tl.abs(angle) < 3.141592653589793 * LOBES
+        weight = tl.where(inside_window, sinc * envelope, 0.0) * cutoff.to(tl.float32)
         inside = valid & (idx >= 0) & (idx < length)
         x = tl.load(wave_ptr + row * width + idx, mask=inside, other=0.0)
         acc += x * weight
+        angle = angle - step
+        sin_a, cos_a = sin_a * cos_s - cos_a * sin_s, cos_a * cos_s + sin_a * sin_s
+        sin_e, cos_e = sin_e * cos_se - cos_e * sin_se, cos_e * cos_se + sin_e * sin_se
     tl.store(out_ptr + row * out_width + n, tl.where(valid, acc, 0.0), mask=n < out_width)
 
 
