@@ -1,0 +1,63 @@
+"""GPU time of speed perturbation: the Triton resampler against the float64 reference.
+
+Both are `rnnt.data.features.resample` on one padded batch of noise at a LibriSpeech-like
+width (default 192 x 16.7 s at 16 kHz) and the training speed range, timed with CUDA events;
+prints the median of the repeats and the largest difference.
+
+    python bench/resample.py [--batch 192] [--seconds 16.7] [--repeats 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from rnnt.config import FeaturesConfig
+from rnnt.data.features import draw_speeds, resample
+
+
+def time_ms(fn, repeats: int) -> float:
+    fn()  # compile and allocate
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=192)
+    parser.add_argument("--seconds", type=float, default=16.7)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    cfg = FeaturesConfig()
+    width = round(args.seconds * cfg.sample_rate)
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(width // 2, width + 1, (args.batch,), generator=gen)
+    wave = (torch.randn(args.batch, width, generator=gen) * 0.1).cuda()
+    wave *= torch.arange(width, device="cuda")[None] < lengths.cuda()[:, None]
+    ratio = 1.0 / draw_speeds(cfg, args.batch, gen)
+    ratio_range = (1.0 / cfg.speed_perturbation_max, 1.0 / cfg.speed_perturbation_min)
+    lengths = lengths.cuda()
+    kernel = time_ms(lambda: resample(wave, lengths, ratio, ratio_range), args.repeats)
+    reference = time_ms(
+        lambda: resample(wave, lengths, ratio, ratio_range, use_kernel=False), args.repeats
+    )
+    got, _ = resample(wave, lengths, ratio, ratio_range)
+    ref, _ = resample(wave, lengths, ratio, ratio_range, use_kernel=False)
+    print(
+        f"{args.batch} x {args.seconds} s on {torch.cuda.get_device_name()}: Triton "
+        f"{kernel:.2f} ms, reference {reference:.2f} ms ({reference / kernel:.1f}x); "
+        f"max |difference| {(got - ref).abs().max().item():.2e}"
+    )
+
+
+if __name__ == "__main__":
+    main()
