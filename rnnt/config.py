@@ -26,7 +26,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """The RNN-T of SPEC.md; the defaults are the MLPerf baseline (49,071,616 parameters)."""
+    """The RNN-T of docs/SPEC.md "Model"; the defaults are the MLPerf baseline (49,071,616
+    parameters)."""
 
     n_classes: int = 1024  # vocabulary pieces + blank; blank is the last index
     in_feats: int = 256  # 80 mels x stack 3 = 240, padded to a multiple of 32
@@ -69,7 +70,7 @@ class SpecAugmentConfig:
 
 @dataclass
 class FeaturesConfig:
-    """Audio front end of SPEC.md (identical for the DALI and torch backends)."""
+    """Audio front end of docs/SPEC.md "Features" (identical for the DALI and torch backends)."""
 
     sample_rate: int = 16000
     n_fft: int = 512
@@ -118,7 +119,7 @@ class LossConfig:
 
 @dataclass
 class OptimizerConfig:
-    preset: str = ""  # a GBS preset of SPEC.md ("gbs1024", ...): fills the fields below
+    preset: str = ""  # a GBS preset of docs/SPEC.md ("gbs1024", ...): fills the fields below
     lr: float = 0.007447
     min_lr: float = 1e-5
     beta1: float = 0.9
@@ -295,7 +296,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return keys, value
 
 
-# Hyperparameters by global batch size (SPEC.md): lr, beta1, beta2, ema, gamma, warmup epochs,
+# docs/SPEC.md "Hyperparameters by global batch size": lr, beta1, beta2, ema, gamma, warmup epochs,
 # hold epochs, max epochs, weights_init_scale.
 GBS_PRESETS: dict[str, tuple] = {
     "gbs512": (0.0062, 0.9, 0.9985, 0.994, 0.915, 1, 11, 70, 0.45),
@@ -381,7 +382,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     A file may name another as its `base:` (relative to it) and set only what differs, as the
     system overlays of configs/systems/ do. A named GBS preset (`optimizer.preset: gbs1024`)
-    fills the SPEC.md hyperparameters of that global batch size; values written explicitly in
+    fills the docs/SPEC.md hyperparameters of that global batch size; values written explicitly in
     the file or on the command line win.
     """
     raw: dict = {}

@@ -1,4 +1,5 @@
-"""Greedy RNN-T decoding (SPEC.md "Evaluation"): a per-utterance reference and batched decoders.
+"""Greedy RNN-T decoding (docs/SPEC.md "Evaluation"): a per-utterance reference and batched
+decoders.
 
 Semantics, identical in every mode: for each encoder frame t < f_len, evaluate the joint on
 (f_t, g) where g is the prediction network's output for the last emitted label (blank = start of

@@ -33,7 +33,8 @@ def _interval_mask(start: torch.Tensor, width: torch.Tensor, size: int) -> torch
 
 
 class SpecAugment(nn.Module):
-    """Frequency and adaptive time masks (SPEC.md: 2 x [0, 20] bins, 10 x up to 3% of length).
+    """Frequency and adaptive time masks (docs/SPEC.md "SpecAugment": 2 x [0, 20] bins, 10 x up
+    to 3% of length).
 
     Frequency mask widths are uniform integers in [min_freq, max_freq], time mask widths are
     uniform integers in [min_time, max(min_time, floor(max_time * len))] for each utterance
@@ -110,8 +111,8 @@ class FrameSplicing(nn.Module):
     (feature index k*F + f holds bin f of frame subsample*i + k); frames past the end of the
     tensor are zero. T' = ceil(T / subsample) and lengths become ceil(len / subsample): the last
     output frame of an utterance may reach past its length, where the input must be zero
-    (FeatureBatch guarantees it; BatchTransform enforces it). With stack = subsample = 3 (SPEC)
-    this is NVIDIA's stack-then-subsample of 240 features.
+    (FeatureBatch guarantees it; BatchTransform enforces it). With stack = subsample = 3
+    (docs/SPEC.md "Features") this is NVIDIA's stack-then-subsample of 240 features.
     """
 
     def __init__(self, stack: int, subsample: int) -> None:
