@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rnnt.config import ConfigError, ModelConfig
+from rnnt.config import ModelConfig
 
 LSTMState = tuple[torch.Tensor, torch.Tensor]  # (h, c), each (layers, B, H)
 
@@ -39,9 +39,6 @@ def _init_lstm(lstm: nn.LSTM, forget_gate_bias: float, hh_bias_scale: float, sca
                 param[hidden : 2 * hidden].mul_(hh_bias_scale)
         for param in lstm.parameters():
             param.mul_(scale)
-
-
-ENCODER_LSTMS = ("cudnn", "wave", "auto")
 
 
 def _lstm_wave():
@@ -78,8 +75,7 @@ def lstm_layer_weights(lstm: nn.LSTM) -> list[tuple[torch.Tensor, ...]]:
 class StackedLSTM(nn.Module):
     """`num_layers` LSTM layers with dropout between layers and on the output.
 
-    Time-major: x (T, B, H_in) -> (T, B, H). With `decoupled=True` each layer is its own
-    nn.LSTM (same maths and parameter count as the multi-layer cuDNN LSTM). With
+    Time-major: x (T, B, H_in) -> (T, B, H). With
     `lstm="wave"` training runs through rnnt.kernels.lstm_wave (from zero state; no state
     returned) on the same parameters; `lstm="auto"` does so where the wave kernels run and
     the batch is a multiple of their 192 rows (on a Hopper GPU), else nn.LSTM. Evaluation
@@ -100,26 +96,22 @@ class StackedLSTM(nn.Module):
         lstm: str = "cudnn",
     ) -> None:
         super().__init__()
-        self.decoupled = cfg.decoupled_rnns
         self.num_layers = num_layers
         self.hidden_size = hidden_size
         self.dropout_p = dropout
         self.lstm = lstm
         if lstm == "wave":
             _lstm_wave()  # an install without the kernels' needs fails here, not at a step
-        if self.decoupled:
-            self.layers = nn.ModuleList(
-                nn.LSTM(input_size if i == 0 else hidden_size, hidden_size)
-                for i in range(num_layers)
-            )
-        else:
-            self.layers = nn.ModuleList(
-                [nn.LSTM(input_size, hidden_size, num_layers=num_layers, dropout=dropout)]
-            )
-        for lstm in self.layers:
-            _init_lstm(
-                lstm, cfg.forget_gate_bias, cfg.hidden_hidden_bias_scale, cfg.weights_init_scale
-            )
+        # a list of one: the parameter names that checkpoints hold (layers.0.weight_ih_l0, ...)
+        self.layers = nn.ModuleList(
+            [nn.LSTM(input_size, hidden_size, num_layers=num_layers, dropout=dropout)]
+        )
+        _init_lstm(
+            self.layers[0],
+            cfg.forget_gate_bias,
+            cfg.hidden_hidden_bias_scale,
+            cfg.weights_init_scale,
+        )
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def _runs_wave(self, x: torch.Tensor, state: LSTMState | None) -> bool:
@@ -129,13 +121,11 @@ class StackedLSTM(nn.Module):
         # nn.LSTM is the faster choice
         if state is not None or not x.is_cuda or x.shape[1] % _lstm_wave().BATCH_MULTIPLE:
             return False
-        if not 0 <= self.dropout_p < 1:
-            return False
         return _wave_runs_on(x.device, self.hidden_size, self.num_layers)
 
     def layer_weights(self) -> list[tuple[torch.Tensor, ...]]:
         """Per layer (w_ih, w_hh, b_ih, b_hh), the nn.LSTM parameters themselves."""
-        return [weights for lstm in self.layers for weights in lstm_layer_weights(lstm)]
+        return lstm_layer_weights(self.layers[0])
 
     def forward(
         self,
@@ -148,17 +138,8 @@ class StackedLSTM(nn.Module):
                 raise ValueError("the wave LSTM runs from zero state only")
             y = _lstm_wave().lstm_stack(x, self.layer_weights(), self.dropout_p, lengths=lengths)
             return y, None
-        if not self.decoupled:
-            x, state = self.layers[0](x, state)
-            return self.dropout(x), state
-        hs, cs = [], []
-        for i, lstm in enumerate(self.layers):
-            layer_state = None if state is None else (state[0][i : i + 1], state[1][i : i + 1])
-            x, (h, c) = lstm(x, layer_state)
-            hs.append(h)
-            cs.append(c)
-            x = self.dropout(x)  # between layers and after the last, as nn.LSTM + output dropout
-        return x, (torch.cat(hs), torch.cat(cs))
+        x, state = self.layers[0](x, state)
+        return self.dropout(x), state
 
 
 class StackTime(nn.Module):
@@ -199,21 +180,6 @@ class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hid = cfg.enc_n_hid
-        if cfg.encoder_lstm not in ENCODER_LSTMS:
-            raise ConfigError(
-                f"model.encoder_lstm: unknown LSTM '{cfg.encoder_lstm}' (choose one of "
-                f"{', '.join(ENCODER_LSTMS)})"
-            )
-        wave = cfg.encoder_lstm == "wave"  # auto falls back to cuDNN instead of failing
-        if wave and hid % 32:
-            raise ConfigError(
-                f"model.enc_n_hid: the wave LSTM (model.encoder_lstm: wave) needs a multiple of "
-                f"32 (its kernels: 1024), got {hid}"
-            )
-        if wave and not 0 <= cfg.enc_dropout < 1:
-            raise ConfigError(
-                f"model.enc_dropout: the wave LSTM needs 0 <= p < 1, got {cfg.enc_dropout}"
-            )
         self.pre_rnn = StackedLSTM(
             cfg.in_feats, hid, cfg.enc_pre_rnn_layers, cfg.enc_dropout, cfg, cfg.encoder_lstm
         )
@@ -296,8 +262,6 @@ class Joint(nn.Module):
 class RNNT(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.n_classes < 2:
-            raise ConfigError(f"model.n_classes must be at least 2, got {cfg.n_classes}")
         self.cfg = cfg
         self.blank_idx = cfg.blank_idx
         self.encoder = Encoder(cfg)

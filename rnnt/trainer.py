@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from rnnt.checkpoint import Checkpoint, CheckpointManager, capture_rng_state, restore_rng_state
-from rnnt.config import Config, ConfigError, preset_global_batch, to_dict
+from rnnt.config import Config, ConfigError, check_device, preset_global_batch, to_dict
 from rnnt.data.augment import BatchTransform
 from rnnt.data.batch import FeatureBatch
 from rnnt.data.loader import build_loader
@@ -71,12 +71,7 @@ class Trainer:
         self.cfg = cfg
         self.ctx = ctx
         tcfg = cfg.training
-        if tcfg.precision not in DTYPES:
-            raise ConfigError(
-                f"training.precision: '{tcfg.precision}' is not one of {list(DTYPES)}"
-            )
-        if tcfg.precision == "fp16" and ctx.device.type != "cuda":
-            raise ConfigError("training.precision: fp16 needs a CUDA device; use fp32 or bf16")
+        check_device(cfg, ctx.device.type)
         self.dtype = DTYPES[tcfg.precision]
         self.out_dir = Path(tcfg.output_dir)
         self.mlperf = mlperf or MLPerfLogger(None, ctx.rank)
@@ -167,7 +162,7 @@ class Trainer:
         cfg, ctx, dcfg = self.cfg, self.ctx, self.cfg.data
         if self.tokenizer is None:
             self.tokenizer = tokenizer_for_lengths_table(
-                dcfg.synthetic_train_lengths, dcfg.vocab_size, self.out_dir / "tokenizer"
+                dcfg.synthetic_train_lengths, cfg.model.n_classes - 1, self.out_dir / "tokenizer"
             )
         common = dict(
             tokenizer=self.tokenizer, features=cfg.features, rank=ctx.rank,
@@ -236,8 +231,6 @@ class Trainer:
         self.decoder = build_decoder(cfg, self.eval_model)
         self.graphs = None
         if cfg.training.num_cg > 0:
-            if ctx.device.type != "cuda":
-                raise ConfigError("training.num_cg > 0 needs a CUDA device (use num_cg 0 on CPU)")
             from rnnt.graphs import TrainingGraphs
 
             self.graphs = TrainingGraphs.for_config(

@@ -226,7 +226,6 @@ class TorchFeatureLoader:
         seed: int,
     ) -> None:
         data = cfg.data
-        _check_devices(data.device, data.resampling_device)
         self.device = device
         self.assembler = assembler
         self.on_device = data.device == "gpu"
@@ -293,14 +292,6 @@ def _collate(items: list[tuple[int, int, torch.Tensor]]):
 def _one_thread(_worker_id: int) -> None:
     # per-utterance work is small: one intra-op thread per worker avoids oversubscription
     torch.set_num_threads(1)
-
-
-def _check_devices(device: str, resampling_device: str) -> None:
-    for key, value in (("data.device", device), ("data.resampling_device", resampling_device)):
-        if value not in ("cpu", "gpu"):
-            raise ValueError(f"{key} = {value!r}: expected cpu or gpu")
-    if resampling_device == "gpu" and device == "cpu":
-        raise ValueError("data.resampling_device = gpu needs data.device = gpu")
 
 
 # --------------------------------------------------------------------------------------------

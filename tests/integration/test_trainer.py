@@ -225,7 +225,7 @@ def test_training_step_never_syncs_with_the_host(tmp_path, lengths_dir, loss_bac
     cfg = load_config(
         Path(__file__).parents[2] / "configs/tiny.yaml",
         [
-            "data.backend=synthetic", "data.tokenizer=", "data.vocab_size=1023",
+            "data.backend=synthetic", "data.tokenizer=",
             "model.n_classes=1024", "data.max_duration=4.0", "training.batch_size=8",
             "training.precision=fp16", f"training.output_dir={tmp_path}",
             f"loss.backend={loss_backend}", f"training.num_cg={num_cg}",
