@@ -98,7 +98,7 @@ def run_one(
     backend, _, gemm = backend.partition(":")
     packed = backend == "fused-packed"
     loss_fn = TransducerLoss("fused" if packed else backend, cfg.blank_idx, gemm or "auto")
-    sm90 = loss_fn.prepare(joint)
+    chosen, _ = loss_fn.prepare(joint)  # e.g. fused(gemm=sm90, walk=cuda)
     # apex packs either way; host lengths spare it the host sync that sizes its packing
     host = packed or backend == "apex"
     host_lens = ([t for t, _ in lens], [u for _, u in lens]) if host else None
@@ -131,7 +131,8 @@ def run_one(
         "min_ms": times[0],
         "extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
         "loss": float(loss),
-        "gemm": "sm90" if sm90 else "cublas" if backend.startswith("fused") else "-",
+        "gemm": chosen.partition("gemm=")[2].partition(",")[0] or "-",
+        "backend_choice": chosen,
         "lattice_cells": lattice,
         "padded_logits": bsz * t_max * (u_max + 1) * cfg.n_classes,
         "B": bsz,

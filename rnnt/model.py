@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rnnt.config import ModelConfig
+from rnnt.config import ConfigError, ModelConfig
+from rnnt.kernels import lstm_wave
 
 LSTMState = tuple[torch.Tensor, torch.Tensor]  # (h, c), each (layers, B, H)
 
@@ -41,24 +42,46 @@ def _init_lstm(lstm: nn.LSTM, forget_gate_bias: float, hh_bias_scale: float, sca
             param.mul_(scale)
 
 
-def _lstm_wave():
-    # imported on use: the kernels package pulls in Triton, which cuDNN and CPU runs never need
-    from rnnt.kernels import lstm_wave
-
-    return lstm_wave
-
-
 @functools.cache
-def _wave_runs_on(device: torch.device, hidden: int, n_layers: int) -> bool:
-    """Whether the wave kernels run this stack on `device`; warns once why not."""
-    reason = _lstm_wave().unsupported(device, hidden, n_layers)
-    if reason is not None:
-        warnings.warn(
-            f"model.encoder_lstm: auto runs cuDNN on {device}: the wave kernels cannot run "
-            f"({reason})",
-            stacklevel=2,
+def _resolve_stack(
+    choice: str, device: torch.device, batch: int, hidden: int, n_layers: int
+) -> tuple[str, str]:
+    """(LSTM, reason) that trains a stack of `n_layers` x `hidden` at `batch` rows on `device`
+    under `model.encoder_lstm: choice`: "wave" or "cudnn" (nn.LSTM, on any device)."""
+    if choice == "cudnn":
+        return "cudnn", "model.encoder_lstm: cudnn"
+    if device.type != "cuda":
+        if choice == "wave":
+            return "wave", f"the kernels' plain-PyTorch twin on {device.type} (slow, for tests)"
+        return "cudnn", f"auto: the wave kernels run on a Hopper GPU, not on {device.type}"
+    reason = lstm_wave.unsupported(device, hidden, n_layers)
+    if choice == "wave":
+        if reason is not None:
+            raise ConfigError(f"model.encoder_lstm: wave cannot run here: {reason}")
+        return "wave", "model.encoder_lstm: wave"
+    # auto: where the kernels would only pad (a batch of 64 runs 192 rows) or cannot run,
+    # nn.LSTM is the faster choice
+    if batch % lstm_wave.BATCH_MULTIPLE:
+        return "cudnn", (
+            f"auto: a batch of {batch} is no multiple of the wave kernels' "
+            f"{lstm_wave.BATCH_MULTIPLE} rows"
         )
-    return reason is None
+    if reason is not None:
+        return "cudnn", f"auto: the wave kernels cannot run here ({reason})"
+    return "wave", f"auto: a Hopper GPU and a multiple of {lstm_wave.BATCH_MULTIPLE} rows"
+
+
+def resolve_encoder_lstm(cfg: ModelConfig, device: torch.device, batch: int) -> tuple[str, str]:
+    """(LSTM, reason) that trains the encoder's stacks at micro-batches of `batch` on `device`;
+    evaluation always runs nn.LSTM. Raises ConfigError where `wave` is asked for and cannot
+    run."""
+    pre, post = (
+        _resolve_stack(cfg.encoder_lstm, device, batch, cfg.enc_n_hid, layers)
+        for layers in (cfg.enc_pre_rnn_layers, cfg.enc_post_rnn_layers)
+    )
+    if pre == post:
+        return pre
+    return f"pre_rnn:{pre[0]}+post_rnn:{post[0]}", f"pre_rnn: {pre[1]}; post_rnn: {post[1]}"
 
 
 def lstm_layer_weights(lstm: nn.LSTM) -> list[tuple[torch.Tensor, ...]]:
@@ -100,8 +123,6 @@ class StackedLSTM(nn.Module):
         self.hidden_size = hidden_size
         self.dropout_p = dropout
         self.lstm = lstm
-        if lstm == "wave":
-            _lstm_wave()  # an install without the kernels' needs fails here, not at a step
         # a list of one: the parameter names that checkpoints hold (layers.0.weight_ih_l0, ...)
         self.layers = nn.ModuleList(
             [nn.LSTM(input_size, hidden_size, num_layers=num_layers, dropout=dropout)]
@@ -115,13 +136,10 @@ class StackedLSTM(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def _runs_wave(self, x: torch.Tensor, state: LSTMState | None) -> bool:
-        if self.lstm == "wave":
-            return True
-        # auto: where the kernels would only pad (a batch of 64 runs 192 rows) or cannot run,
-        # nn.LSTM is the faster choice
-        if state is not None or not x.is_cuda or x.shape[1] % _lstm_wave().BATCH_MULTIPLE:
+        if self.lstm == "auto" and state is not None:
             return False
-        return _wave_runs_on(x.device, self.hidden_size, self.num_layers)
+        key = (self.lstm, x.device, x.shape[1], self.hidden_size, self.num_layers)
+        return _resolve_stack(*key)[0] == "wave"
 
     def layer_weights(self) -> list[tuple[torch.Tensor, ...]]:
         """Per layer (w_ih, w_hh, b_ih, b_hh), the nn.LSTM parameters themselves."""
@@ -136,7 +154,7 @@ class StackedLSTM(nn.Module):
         if self.lstm != "cudnn" and self.training and self._runs_wave(x, state):
             if state is not None:
                 raise ValueError("the wave LSTM runs from zero state only")
-            y = _lstm_wave().lstm_stack(x, self.layer_weights(), self.dropout_p, lengths=lengths)
+            y = lstm_wave.lstm_stack(x, self.layer_weights(), self.dropout_p, lengths=lengths)
             return y, None
         x, state = self.layers[0](x, state)
         return self.dropout(x), state
@@ -237,17 +255,29 @@ class Prediction(nn.Module):
         return self.joint_pred(g[0]), state
 
 
+class JointOperands(NamedTuple):
+    """What the joint computes its logits from, for a loss that computes them itself."""
+
+    weight: torch.Tensor  # (V, H), the output layer's
+    bias: torch.Tensor  # (V,)
+    dropout_p: float  # the dropout in effect: 0 outside training
+
+
 class Joint(nn.Module):
     """logits = fc(dropout(relu(f + g))), broadcast over (T, U+1).
 
     The projections joint_enc / joint_pred live in Encoder / Prediction; this module holds only
-    the part that the fused loss kernel replaces.
+    the part that the fused loss kernel replaces, which reads it through `operands()`.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.dropout = nn.Dropout(cfg.joint_dropout) if cfg.joint_dropout > 0 else nn.Identity()
         self.fc = nn.Linear(cfg.joint_n_hid, cfg.n_classes)
+
+    def operands(self) -> JointOperands:
+        p = self.dropout.p if isinstance(self.dropout, nn.Dropout) and self.training else 0.0
+        return JointOperands(self.fc.weight, self.fc.bias, p)
 
     def forward(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """f (B, T, H), g (B, U+1, H) -> logits (B, T, U+1, V)."""

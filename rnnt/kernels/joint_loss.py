@@ -1234,3 +1234,15 @@ def fused_joint_loss(
             f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, float(dropout_p),
             seed, reduction, one_pass, gemm,
         )  # fmt: skip
+
+
+def resolve(
+    gemm: str, device: torch.device, dtype: torch.dtype, hidden: int, vocab: int
+) -> tuple[str, str]:
+    """("fused(gemm=..., walk=...)", reason): the logits GEMM and the lattice walk that
+    `fused_joint_loss` runs for these operands under `gemm` (building their CUDA code now)."""
+    if not _compiled(device):
+        return "fused(gemm=torch, walk=triton)", "Triton's interpreter runs the kernels"
+    g, g_why = logits_gemm.resolve(gemm, device, dtype, hidden, vocab)
+    w, w_why = lattice_walk.resolve(device)
+    return f"fused(gemm={g}, walk={w})", f"gemm: {g_why}; walk: {w_why}"

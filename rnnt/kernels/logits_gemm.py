@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import warnings
 from pathlib import Path
 
 import torch
@@ -61,28 +60,32 @@ def unsupported(device: torch.device, dtype: torch.dtype, hidden: int, vocab: in
 
 
 @functools.cache
-def use_sm90(gemm: str, device: torch.device, dtype: torch.dtype, hidden: int, vocab: int) -> bool:
-    """Whether the fused loss takes this kernel for these operands under `gemm` (see the module
-    docstring); builds the library the first time it says yes."""
+def resolve(
+    gemm: str, device: torch.device, dtype: torch.dtype, hidden: int, vocab: int
+) -> tuple[str, str]:
+    """("sm90" or "cublas", reason): the GEMM the fused loss takes for these operands under
+    `gemm` (see the module docstring); builds the library the first time it picks this kernel.
+    Raises RuntimeError where `gemm` is 'sm90' and the kernel cannot run."""
     if gemm not in GEMMS:
         raise ValueError(f"logits GEMM must be one of {GEMMS}, got {gemm!r}")
     if gemm == "cublas":
-        return False
+        return "cublas", "loss.fused_gemm: cublas"
     reason = unsupported(device, dtype, hidden, vocab)
     if reason is None:
         try:
             library()
         except BuildError as err:
             reason = str(err)
-            if gemm == "auto":
-                # a Hopper GPU left on the slower path: say so once
-                warnings.warn(
-                    f"fused loss: the sm90 logits GEMM is not used ({reason}); cuBLAS instead",
-                    stacklevel=2,
-                )
-    if reason is not None and gemm == "sm90":
+    if reason is None:
+        return "sm90", f"loss.fused_gemm: {gemm}, on a Hopper GPU with fp16 operands"
+    if gemm == "sm90":
         raise RuntimeError(f"fused loss: the sm90 logits GEMM cannot run: {reason}")
-    return reason is None
+    return "cublas", f"auto: the sm90 GEMM cannot run here ({reason})"
+
+
+def use_sm90(gemm: str, device: torch.device, dtype: torch.dtype, hidden: int, vocab: int) -> bool:
+    """Whether the fused loss takes this kernel for these operands under `gemm`."""
+    return resolve(gemm, device, dtype, hidden, vocab)[0] == "sm90"
 
 
 def logits_with_partials(

@@ -125,11 +125,11 @@ def test_gpu_transducer_loss_prepare_builds_the_walk(tmp_path, monkeypatch):
 
     monkeypatch.setenv(cuda_build.CACHE_ENV, str(tmp_path))
     cuda_build.load.cache_clear()
-    lattice_walk.available.cache_clear()
+    lattice_walk.resolve.cache_clear()
     try:
         TransducerLoss("fused", 1023).prepare(Joint(ModelConfig()).cuda().half())
         assert list(tmp_path.glob("lattice_walk-*.so")), "prepare builds the walk"
         assert lattice_walk.available(torch.device("cuda"))
     finally:
         cuda_build.load.cache_clear()
-        lattice_walk.available.cache_clear()
+        lattice_walk.resolve.cache_clear()
