@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from rnnt.backends import backend_line, training_choices
 from rnnt.checkpoint import Checkpoint, CheckpointManager, capture_rng_state, restore_rng_state
 from rnnt.config import Config, ConfigError, check_device, preset_global_batch, to_dict
 from rnnt.data.augment import BatchTransform
@@ -218,7 +219,10 @@ class Trainer:
             enabled=cfg.training.precision == "fp16",
         )
         self.loss_fn = TransducerLoss(cfg.loss.backend, self.model.blank_idx, cfg.loss.fused_gemm)
-        self.loss_fn.prepare(self.model.joint)  # any kernel build happens before run_start
+        # any kernel build happens here, before run_start
+        loss_choice = self.loss_fn.prepare(self.model.joint)
+        self.backends = training_choices(cfg, ctx.device, loss_choice, self.optimizer.backend)
+        self.log.backends(backend_line(self.backends), self.backends)
         self.augment_generator = torch.Generator(device=ctx.device)
         self.augment_generator.manual_seed(self.seeds.augment)
         self.train_transform = BatchTransform(

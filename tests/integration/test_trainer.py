@@ -68,6 +68,13 @@ def test_resume_mid_epoch_continues_exactly(corpus, tmp_path, encoder_lstm):
     trainer.fit()
     reference = losses(full)
     assert sorted(reference) == list(range(1, 13))
+    (chosen,) = [r for r in read_metrics(full / "metrics.jsonl") if r["kind"] == "backends"]
+    assert [chosen[k] for k in ("data", "encoder_lstm", "loss", "lamb")] == [
+        "torch/cpu",
+        encoder_lstm,
+        "reference",
+        "torch",
+    ]
     final = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     final_ema = [w.clone() for w in trainer.ema.weights]
 
