@@ -1,8 +1,8 @@
 """The fused loss's lattice walk in CUDA C++ (`csrc/lattice_walk.cu`), used in place of the
-Triton `_lattice_kernel` wherever it builds: the same arithmetic, bitwise the same alpha, beta
-and log P (tests/unit/test_lattice_walk.py), in about half the time: a walk is a chain of
-dependent steps, and this kernel issues each step's contiguous diagonal-major loads as vectors
-four diagonals ahead (docs/PERFORMANCE.md).
+Triton `lattice_kernel` wherever it builds: the same arithmetic, bitwise the same alpha, beta
+and log P (tests/unit/test_lattice_walk.py), faster: a walk is a chain of dependent steps, and
+this kernel issues each step's contiguous diagonal-major loads as vectors four diagonals ahead
+(docs/PERFORMANCE.md "The lattice walk in CUDA C++ over diagonal-major inputs").
 
 Built by the machine's nvcc for the GPU's architecture on first use (`rnnt.kernels.cuda_build`);
 where that fails (no nvcc), the Triton kernel runs, and `resolve` says why (a run prints it in
@@ -74,7 +74,7 @@ def available(device: torch.device) -> bool:
 def walk(skew_blank, skew_label, soffs, f_lens, target_lens, alpha, beta, log_lik, b0: int,
          bc: int, t_max: int, u1: int, packed: bool) -> None:  # fmt: skip
     """alpha, beta (diagonal-major, fp64) and log P (B, fp64) of utterances [b0, b0 + bc),
-    queued on the current stream: the arguments of joint_loss._lattice_kernel, on one CUDA
+    queued on the current stream: the arguments of joint_loss.lattice_kernel, on one CUDA
     device, with OVERREAD readable cells past the diagonal-major inputs."""
     device = alpha.device
     lib = library(torch.cuda.get_device_capability(device))

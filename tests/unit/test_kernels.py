@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 
 from rnnt.kernels import joint_loss as jl  # noqa: E402
+from rnnt.kernels import joint_loss_kernels as jk  # noqa: E402
 from rnnt.loss import TransducerLoss, rnnt_loss_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,7 +123,7 @@ def lattice_rows(x, lens, packed):
 def diagonal_major(skew_blank, skew_label, lp_blank, lp_label, lens, layout):
     """Writes (B, T, U+1) transition log-probabilities where the lattice walk reads them: each
     at the diagonal-major cell its move enters (joint_loss._diagonals)."""
-    align = jl.SKEW_ALIGN.value
+    align = jk.SKEW_ALIGN.value
     t_max, u1 = lp_blank.shape[1:]
     dev = skew_blank.device
     for b, (t_len, u_len) in enumerate(lens):
@@ -395,7 +396,7 @@ def test_stats_from_gemm_partials_equal_the_stats_kernel_s(vocab):
     logits = (torch.randn(n, vocab, generator=gen) * 4).half().to(DEVICE)
     bias = (torch.randn(vocab, generator=gen)).half().to(DEVICE)
     labels = torch.randint(0, vocab, (n + 5,), generator=gen, dtype=torch.int32).to(DEVICE)
-    x = logits.double() * gate_scale * jl._LOG2E.value + bias.double() * jl._LOG2E.value
+    x = logits.double() * gate_scale * jk.LOG2E.value + bias.double() * jk.LOG2E.value
     tiles = x.view(n, -1, 128)
     top = tiles.amax(-1)
     part = torch.stack([top, torch.exp2(tiles - top[..., None]).sum(-1)], -1).float()
@@ -407,12 +408,12 @@ def test_stats_from_gemm_partials_equal_the_stats_kernel_s(vocab):
         lse = torch.full((n + row0,), 9.0, device=DEVICE)
         skb, skl = torch.full((2, 2 * (n + row0) + 2), 9.0, device=DEVICE)
         if name == "partials":
-            jl._stats_from_partials_kernel[(triton.cdiv(n, 16),)](
+            jk.stats_from_partials_kernel[(triton.cdiv(n, 16),)](
                 part, logits, bias, labels, dest, lse, skb, skl, row0, n, vocab, blank,
                 gate_scale, NT=vocab // 128, NTP=triton.next_power_of_2(vocab // 128), BR=16,
             )  # fmt: skip
         else:
-            jl._logit_stats_kernel[(2,)](
+            jk.logit_stats_kernel[(2,)](
                 logits, bias, labels, dest, lse, skb, skl, row0, n, vocab, blank, gate_scale,
                 BR=4, BN=triton.next_power_of_2(vocab), EVEN=vocab == 1024, STAGES=1,
             )  # fmt: skip
@@ -583,7 +584,8 @@ def test_gpu_longest_mlperf_shape_and_batch_512():
 
 
 @pytest.mark.gpu
-def test_gpu_memory_at_192_204_44_fp16_and_time_target(record_property):
+def test_gpu_memory_at_192_204_44_fp16(record_property):
+    """At most 2 GB beyond the inputs; the time target is bench/joint_loss.py's to report."""
     bsz, t_max, u_max = 192, 204, 44
     leaves, f_lens, targets, target_lens = make_case(
         [(t_max, u_max)] * bsz, u_max, 512, 1024, dtype=torch.float16
@@ -600,22 +602,12 @@ def test_gpu_memory_at_192_204_44_fp16_and_time_target(record_property):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
+    for _ in range(3):
         step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    median_ms = sorted(times)[len(times) // 2]
-    print(f"fused fwd+bwd (192, 204, 44) fp16: {median_ms:.2f} ms, {extra / 2**30:.3f} GiB extra")
-    record_property("median_ms", median_ms)
     record_property("extra_gib", extra / 2**30)
-    assert extra <= 2e9  # issue 7: at most 2 GB
-    if median_ms > 12.0:
-        pytest.xfail(f"issue 7 targets <= 12 ms on an H200; measured {median_ms:.1f} ms")
+    assert extra <= 2e9
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

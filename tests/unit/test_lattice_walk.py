@@ -15,6 +15,7 @@ import triton  # noqa: E402
 
 from rnnt.kernels import cuda_build, lattice_walk  # noqa: E402
 from rnnt.kernels import joint_loss as jl  # noqa: E402
+from rnnt.kernels import joint_loss_kernels as jk  # noqa: E402
 from tests.unit.test_kernels import diagonal_major  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -62,7 +63,7 @@ def walk_both(lens, packed, b0, bc, seed=0):
         if cuda:
             lattice_walk.walk(*args, bc, t_max, u1, packed)
         else:
-            jl._lattice_kernel[(bc, 2)](*args, t_max, u1, BLOCK_U=block_u, PACKED=packed,
+            jk.lattice_kernel[(bc, 2)](*args, t_max, u1, BLOCK_U=block_u, PACKED=packed,
                                         HW_LOG2=True, num_warps=jl.LATTICE_WARPS)  # fmt: skip
         out.append((alpha, beta, log_lik))
     return out
