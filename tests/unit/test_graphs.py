@@ -30,7 +30,7 @@ from rnnt.graphs import (
     pad_into,
 )
 from rnnt.model import RNNT
-from tests.unit.test_model import tiny_cfg
+from tests.helpers import tiny_cfg
 
 NO_DROPOUT = dict(enc_dropout=0.0, pred_dropout=0.0, joint_dropout=0.0)
 

@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from rnnt.kernels import cuda_build, lattice_walk  # noqa: E402
 from rnnt.kernels import joint_loss as jl  # noqa: E402
 from rnnt.kernels import joint_loss_kernels as jk  # noqa: E402
-from tests.unit.test_kernels import diagonal_major  # noqa: E402
+from tests.helpers import diagonal_major, make_case  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -96,8 +96,6 @@ def test_gpu_cuda_walk_equals_the_triton_walk_bitwise(packed, u_max):
 @needs_cuda
 @pytest.mark.gpu
 def test_gpu_fused_loss_is_the_same_with_either_walk(monkeypatch):
-    from tests.unit.test_kernels import make_case
-
     lens = random_lens(24, (5, 120), (0, 40), seed=3)
     u_max = max(u for _, u in lens)
     leaves, f_lens, targets, target_lens = make_case(lens, u_max, 64, 96, dtype=torch.float16)

@@ -12,7 +12,7 @@ from rnnt.config import ConfigError
 from rnnt.kernels import cuda_build, lstm_wave
 from rnnt.kernels.lstm_wave import keep_mask, lstm_stack, stack_reference
 from rnnt.model import RNNT
-from tests.unit.test_model import tiny_cfg
+from tests.helpers import tiny_cfg
 
 F64 = torch.float64
 

@@ -5,23 +5,9 @@ import torch
 
 from rnnt.config import ModelConfig, load_config
 from rnnt.model import RNNT, StackTime, count_parameters
+from tests.helpers import tiny_cfg
 
 BASELINE_PARAMS = 49_071_616
-
-
-def tiny_cfg(**kw) -> ModelConfig:
-    base = dict(
-        n_classes=12,
-        in_feats=16,
-        enc_n_hid=24,
-        enc_pre_rnn_layers=2,
-        enc_post_rnn_layers=2,
-        pred_n_hid=8,
-        pred_rnn_layers=2,
-        joint_n_hid=20,
-    )
-    base.update(kw)
-    return ModelConfig(**base)
 
 
 def test_baseline_has_exactly_the_mlperf_parameter_count(repo_root):
