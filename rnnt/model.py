@@ -54,18 +54,19 @@ def _resolve_stack(
         if choice == "wave":
             return "wave", f"the kernels' plain-PyTorch twin on {device.type} (slow, for tests)"
         return "cudnn", f"auto: the wave kernels run on a Hopper GPU, not on {device.type}"
-    reason = lstm_wave.unsupported(device, hidden, n_layers)
     if choice == "wave":
+        reason = lstm_wave.unsupported(device, hidden, n_layers)
         if reason is not None:
             raise ConfigError(f"model.encoder_lstm: wave cannot run here: {reason}")
         return "wave", "model.encoder_lstm: wave"
     # auto: where the kernels would only pad (a batch of 64 runs 192 rows) or cannot run,
-    # nn.LSTM is the faster choice
+    # nn.LSTM is the faster choice; the batch is checked first, so no kernel is built for it
     if batch % lstm_wave.BATCH_MULTIPLE:
         return "cudnn", (
             f"auto: a batch of {batch} is no multiple of the wave kernels' "
             f"{lstm_wave.BATCH_MULTIPLE} rows"
         )
+    reason = lstm_wave.unsupported(device, hidden, n_layers)
     if reason is not None:
         return "cudnn", f"auto: the wave kernels cannot run here ({reason})"
     return "wave", f"auto: a Hopper GPU and a multiple of {lstm_wave.BATCH_MULTIPLE} rows"
