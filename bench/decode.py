@@ -74,10 +74,10 @@ def count_tokens(texts: list[str], cfg, tokenizer_path: str) -> tuple[list[int],
         return [len(tok.sp.encode(t)) for t in texts], f"tokenizer {path}"
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            tok = Tokenizer(train_tokenizer(texts, Path(tmp) / "sp", cfg.data.vocab_size))
+            tok = Tokenizer(train_tokenizer(texts, Path(tmp) / "sp", cfg.model.n_classes - 1))
         except TokenizerError:
             return [len(t.split()) for t in texts], "words (no tokenizer could be built)"
-        how = f"a {cfg.data.vocab_size}-piece unigram tokenizer trained on these transcripts"
+        how = f"a {cfg.model.n_classes - 1}-piece unigram tokenizer trained on these transcripts"
         return [len(tok.sp.encode(t)) for t in texts], how
 
 

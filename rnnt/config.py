@@ -1,32 +1,94 @@
 """Typed run configuration loaded from YAML, with dotted command-line overrides.
 
-Every knob lives in one of the section dataclasses below. A YAML file names a subset of them;
-unknown or misspelled keys and values of the wrong type are rejected with a message that names
-the key and the file, so a typo never silently falls back to a default.
+Every knob lives in one of the section dataclasses below, and every rule that ties knobs
+together lives here too: a section checks its choices (the `Literal` fields) and its own rules
+whenever it is built, in code or from a file, and `Config` checks the rules that span sections.
+A config that exists is therefore a valid one, and every problem is a `ConfigError` whose one
+line names the key and, when loaded, the file. Rules that need the device (fp16 needs CUDA)
+are `check_device`'s, called once the device is known.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import yaml
 
 LENGTHS_DIR = Path(__file__).resolve().parent / "data" / "lengths"
+
+EncoderLSTM = Literal["cudnn", "wave", "auto"]
+DataBackend = Literal["auto", "dali", "torch", "synthetic"]
+Place = Literal["cpu", "gpu"]
+LossBackend = Literal["reference", "torchaudio", "fused", "apex"]
+FusedGemm = Literal["auto", "cublas", "sm90"]
+Precision = Literal["fp32", "fp16", "bf16"]
+EvalMode = Literal["no_cg", "cg", "cg_unroll_pipeline"]
+Preset = Literal["", "gbs512", "gbs1024", "gbs1536", "gbs2048", "gbs4096", "gbs6144"]
 
 
 class ConfigError(ValueError):
     """A configuration problem, with a message that names the key and its source."""
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_choice(value: Any, tp: Any, where: str) -> Any:
+    choices = typing.get_args(tp)
+    if value not in choices:
+        shown = ", ".join(repr(c) for c in choices)
+        raise ConfigError(f"{where}: expected one of {shown}, got {value!r}")
+    return value
+
+
+class _Section:
+    """A config section: building one checks its Literal choices, then its own rules."""
+
+    KEY: ClassVar[str] = ""  # its dotted place in Config, for messages
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            tp = _hints(type(self))[f.name]
+            if typing.get_origin(tp) is Literal:
+                _check_choice(getattr(self, f.name), tp, self.key(f.name))
+        self.check()
+
+    def key(self, name: str) -> str:
+        return f"{self.KEY}.{name}" if self.KEY else name
+
+    def require(self, ok: bool, name: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"{self.key(name)}: {message}")
+
+    def at_least(self, minimum: float, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            self.require(value >= minimum, name, f"must be >= {minimum}, got {value}")
+
+    def probability(self, *names: str) -> None:
+        for name in names:
+            p = getattr(self, name)
+            self.require(0 <= p < 1, name, f"a probability needs 0 <= p < 1, got {p}")
+
+    def check(self) -> None:
+        """The section's own rules (none by default)."""
+
+
 @dataclass
-class ModelConfig:
-    """The RNN-T of SPEC.md; the defaults are the MLPerf baseline (49,071,616 parameters)."""
+class ModelConfig(_Section):
+    """The RNN-T of docs/SPEC.md "Model"; the defaults are the MLPerf baseline (49,071,616
+    parameters)."""
+
+    KEY: ClassVar[str] = "model"
 
     n_classes: int = 1024  # vocabulary pieces + blank; blank is the last index
     in_feats: int = 256  # 80 mels x stack 3 = 240, padded to a multiple of 32
@@ -43,22 +105,35 @@ class ModelConfig:
     forget_gate_bias: float = 1.0
     hidden_hidden_bias_scale: float = 0.0
     weights_init_scale: float = 0.5
-    # One nn.LSTM per layer instead of one multi-layer cuDNN LSTM: same maths, same
-    # parameter count, but each layer is its own module (separately capturable/fusable).
-    decoupled_rnns: bool = False
     # The encoder's two LSTM stacks in training: "cudnn" (nn.LSTM + nn.Dropout), "wave" (the
     # Hopper wave kernels of rnnt/kernels/lstm_wave.py, their plain-PyTorch twin off the GPU;
     # hash-based dropout) or "auto" (wave on a Hopper GPU for batches that are multiples of 192,
     # cudnn elsewhere). Same parameters and checkpoints; evaluation always runs nn.LSTM.
-    encoder_lstm: str = "cudnn"
+    encoder_lstm: EncoderLSTM = "cudnn"
 
     @property
     def blank_idx(self) -> int:
         return self.n_classes - 1
 
+    def check(self) -> None:
+        self.at_least(2, "n_classes")
+        self.at_least(1, "in_feats", "enc_n_hid", "pred_n_hid", "joint_n_hid")
+        self.at_least(1, "enc_pre_rnn_layers", "enc_post_rnn_layers", "pred_rnn_layers")
+        self.at_least(1, "enc_stack_time_factor")
+        self.probability("enc_dropout", "pred_dropout", "joint_dropout")
+        if self.encoder_lstm == "wave":  # auto falls back to cuDNN where the kernels cannot run
+            self.require(
+                self.enc_n_hid % 32 == 0,
+                "enc_n_hid",
+                f"the wave LSTM (model.encoder_lstm: wave) needs a multiple of 32 (its kernels: "
+                f"1024), got {self.enc_n_hid}",
+            )
+
 
 @dataclass
-class SpecAugmentConfig:
+class SpecAugmentConfig(_Section):
+    KEY: ClassVar[str] = "features.spec_augment"
+
     freq_masks: int = 2
     min_freq: int = 0
     max_freq: int = 20
@@ -66,10 +141,25 @@ class SpecAugmentConfig:
     min_time: int = 0
     max_time: float = 0.03  # a fraction of each utterance's length (adaptive masks)
 
+    def check(self) -> None:
+        self.at_least(0, "freq_masks", "time_masks", "min_freq", "min_time")
+        self.require(
+            self.min_freq <= self.max_freq,
+            "max_freq",
+            f"must be >= min_freq {self.min_freq}, got {self.max_freq}",
+        )
+        self.require(
+            0.0 <= self.max_time <= 1.0,
+            "max_time",
+            f"a fraction of the utterance needs 0 <= max_time <= 1, got {self.max_time}",
+        )
+
 
 @dataclass
-class FeaturesConfig:
-    """Audio front end of SPEC.md (identical for the DALI and torch backends)."""
+class FeaturesConfig(_Section):
+    """Audio front end of docs/SPEC.md "Features" (identical for the DALI and torch backends)."""
+
+    KEY: ClassVar[str] = "features"
 
     sample_rate: int = 16000
     n_fft: int = 512
@@ -87,19 +177,42 @@ class FeaturesConfig:
     speed_perturbation_max: float = 1.15
     spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)
 
+    def check(self) -> None:
+        self.at_least(1, "sample_rate", "n_fft", "n_mels", "frame_stack", "frame_subsample")
+        stacked = self.frame_stack * self.n_mels
+        self.require(
+            self.pad_features_to >= stacked,
+            "pad_features_to",
+            f"must hold frame_stack x n_mels = {stacked} features, got {self.pad_features_to}",
+        )
+        spec = self.spec_augment
+        if spec.freq_masks:
+            self.require(
+                spec.max_freq <= self.n_mels,
+                "spec_augment.max_freq",
+                f"a mask cannot be wider than the {self.n_mels} mel bins, got {spec.max_freq}",
+            )
+        self.require(
+            0 < self.speed_perturbation_min <= self.speed_perturbation_max,
+            "speed_perturbation_min",
+            f"needs 0 < min <= speed_perturbation_max {self.speed_perturbation_max}, got "
+            f"{self.speed_perturbation_min}",
+        )
+
 
 @dataclass
-class DataConfig:
+class DataConfig(_Section):
+    KEY: ClassVar[str] = "data"
+
     dataset_dir: str = "datasets/LibriSpeech"
     train_manifests: list[str] = field(default_factory=list)
     val_manifests: list[str] = field(default_factory=list)
-    tokenizer: str = ""  # SentencePiece model file
-    vocab_size: int = 1023
+    tokenizer: str = ""  # SentencePiece model file (model.n_classes - 1 pieces)
     max_duration: float = 16.7  # train utterances longer than this are dropped
     num_buckets: int = 1
-    backend: str = "auto"  # auto | dali | torch | synthetic
-    device: str = "gpu"  # feature stage: cpu | gpu
-    resampling_device: str = "cpu"  # cpu | gpu
+    backend: DataBackend = "auto"  # auto: dali where it imports, else torch
+    device: Place = "gpu"  # where the feature stage runs
+    resampling_device: Place = "cpu"
     num_threads: int = 4
     # synthetic backend: utterance lengths sampled from real LibriSpeech length tables (the
     # defaults ship in rnnt/data/lengths)
@@ -109,16 +222,41 @@ class DataConfig:
     # shipped training table fills only 7 batches of 192
     synthetic_steps_per_epoch: int = 0
 
+    def check(self) -> None:
+        self.require(
+            self.max_duration > 0, "max_duration", f"must be positive, got {self.max_duration}"
+        )
+        self.at_least(1, "num_buckets")
+        self.at_least(0, "num_threads", "synthetic_steps_per_epoch")
+        # the resampler runs inside the batched feature stage on the device
+        self.require(
+            self.resampling_device == "cpu" or self.device == "gpu",
+            "resampling_device",
+            "gpu needs data.device: gpu",
+        )
+
 
 @dataclass
-class LossConfig:
-    backend: str = "reference"  # reference | torchaudio | fused | apex
-    fused_gemm: str = "auto"  # auto | cublas | sm90: the fused backend's logits GEMM
+class LossConfig(_Section):
+    KEY: ClassVar[str] = "loss"
+
+    backend: LossBackend = "reference"
+    fused_gemm: FusedGemm = "auto"  # the fused backend's logits GEMM
+
+    def check(self) -> None:
+        self.require(
+            self.fused_gemm == "auto" or self.backend == "fused",
+            "fused_gemm",
+            f"'{self.fused_gemm}' applies to loss.backend fused only (the backend is "
+            f"'{self.backend}')",
+        )
 
 
 @dataclass
-class OptimizerConfig:
-    preset: str = ""  # a GBS preset of SPEC.md ("gbs1024", ...): fills the fields below
+class OptimizerConfig(_Section):
+    KEY: ClassVar[str] = "optimizer"
+
+    preset: Preset = ""  # a GBS preset of docs/SPEC.md ("gbs1024", ...): fills the fields below
     lr: float = 0.007447
     min_lr: float = 1e-5
     beta1: float = 0.9
@@ -134,13 +272,21 @@ class OptimizerConfig:
     # refused unless this says it is meant (speed runs, smoke tests on fewer GPUs)
     allow_gbs_mismatch: bool = False
 
+    def check(self) -> None:
+        self.require(self.lr > 0, "lr", f"must be positive, got {self.lr}")
+        self.at_least(0, "min_lr", "eps", "weight_decay", "clip_norm")
+        self.at_least(0, "warmup_epochs", "hold_epochs")
+        self.probability("beta1", "beta2", "ema")
+
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(_Section):
+    KEY: ClassVar[str] = "training"
+
     batch_size: int = 192  # per process, per micro-step
     grad_accumulation: int = 1
     epochs: int = 80
-    precision: str = "fp16"  # fp32 | fp16 | bf16
+    precision: Precision = "fp16"
     init_loss_scale: float = 512.0
     seed: int | None = None  # None: drawn from os.urandom per run (MLPerf), logged and saved
     num_cg: int = 0  # CUDA graphs per network (0 = eager)
@@ -166,28 +312,47 @@ class TrainingConfig:
     peak_tflops: float = 0.0
     deterministic: bool = False
 
+    def check(self) -> None:
+        self.at_least(1, "batch_size", "grad_accumulation", "epochs", "log_frequency")
+        self.at_least(1, "keep_last_checkpoints", "max_consecutive_nonfinite")
+        self.at_least(0, "num_cg", "save_every_epochs", "checkpoint_every_steps")
+        self.at_least(0, "torch_threads", "peak_tflops")
+        for name in ("init_loss_scale", "collective_timeout_s"):
+            value = getattr(self, name)
+            self.require(value > 0, name, f"must be positive, got {value}")
+
 
 @dataclass
-class EvalConfig:
+class EvalConfig(_Section):
+    KEY: ClassVar[str] = "eval"
+
     batch_size: int = 338
-    mode: str = "no_cg"  # no_cg | cg | cg_unroll_pipeline
+    mode: EvalMode = "no_cg"
     max_symbols_per_step: int = 30
     max_symbols_per_utterance: int = 300
     cg_unroll_factor: int = 4
-    use_ema: bool = True
+
+    def check(self) -> None:
+        self.at_least(1, "batch_size", "max_symbols_per_step", "max_symbols_per_utterance")
+        self.at_least(1, "cg_unroll_factor")
 
 
 @dataclass
-class SystemConfig:
+class SystemConfig(_Section):
     """The machine a config is written for (configs/systems/): the run checks that it was
     launched on that many ranks. 0: any."""
+
+    KEY: ClassVar[str] = "system"
 
     nodes: int = 0
     gpus_per_node: int = 0  # ranks per node (processes on a CPU system)
 
+    def check(self) -> None:
+        self.at_least(0, "nodes", "gpus_per_node")
+
 
 @dataclass
-class Config:
+class Config(_Section):
     system: SystemConfig = field(default_factory=SystemConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -197,6 +362,29 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    def check(self) -> None:
+        # the encoder reads the feature stage's padded frames
+        self.require(
+            self.model.in_feats == self.features.pad_features_to,
+            "model.in_feats",
+            f"must equal features.pad_features_to {self.features.pad_features_to}, got "
+            f"{self.model.in_feats}",
+        )
+
+
+def check_device(cfg: Config, device_type: str) -> None:
+    """The rules that need the device the run is on ("cuda" or "cpu")."""
+    if device_type == "cuda":
+        return
+    rules = [
+        (cfg.training.precision != "fp16", "training.precision", "fp16 needs a CUDA device"),
+        (cfg.training.num_cg == 0, "training.num_cg", "CUDA graphs need a CUDA device (use 0)"),
+        (cfg.loss.backend != "fused", "loss.backend", "fused runs on a CUDA device"),
+    ]
+    for ok, key, why in rules:
+        if not ok:
+            raise ConfigError(f"{key}: {why} (this run is on {device_type})")
+
 
 # --------------------------------------------------------------------------------------------
 # Loading
@@ -205,6 +393,8 @@ class Config:
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        return _check_choice(value, tp, where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
@@ -253,7 +443,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 
 def _build(cls: type, raw: dict, where: str) -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
     if unknown:
@@ -295,7 +485,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return keys, value
 
 
-# Hyperparameters by global batch size (SPEC.md): lr, beta1, beta2, ema, gamma, warmup epochs,
+# docs/SPEC.md "Hyperparameters by global batch size": lr, beta1, beta2, ema, gamma, warmup epochs,
 # hold epochs, max epochs, weights_init_scale.
 GBS_PRESETS: dict[str, tuple] = {
     "gbs512": (0.0062, 0.9, 0.9985, 0.994, 0.915, 1, 11, 70, 0.45),
@@ -307,12 +497,8 @@ GBS_PRESETS: dict[str, tuple] = {
 }
 
 
-def preset_values(name: str, where: str) -> dict:
+def preset_values(name: str) -> dict:
     """The config sections a GBS preset fills, as a raw mapping."""
-    if name not in GBS_PRESETS:
-        raise ConfigError(
-            f"{where}: unknown optimizer preset '{name}' (one of {', '.join(GBS_PRESETS)})"
-        )
     lr, b1, b2, ema, gamma, warmup, hold, epochs, init = GBS_PRESETS[name]
     return {
         "optimizer": {
@@ -329,12 +515,12 @@ def preset_values(name: str, where: str) -> dict:
     }
 
 
-def _with_preset(raw: dict, where: str) -> dict:
+def _with_preset(raw: dict) -> dict:
     """Preset values sit under what the file and overrides set explicitly."""
     name = (raw.get("optimizer") or {}).get("preset") or ""
     if not name:
         return raw
-    return _merge(preset_values(name, where), raw)
+    return _merge(preset_values(name), raw)
 
 
 def _read_yaml(path: Path) -> dict:
@@ -381,7 +567,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     A file may name another as its `base:` (relative to it) and set only what differs, as the
     system overlays of configs/systems/ do. A named GBS preset (`optimizer.preset: gbs1024`)
-    fills the SPEC.md hyperparameters of that global batch size; values written explicitly in
+    fills the docs/SPEC.md hyperparameters of that global batch size; values written explicitly in
     the file or on the command line win.
     """
     raw: dict = {}
@@ -392,12 +578,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     _build_root(raw, source)  # validate the file alone first, so its errors name it
     for text in overrides or []:
         keys, value = parse_override(text)
+        _check_override(keys, value, text)
         nested: Any = value
         for key in reversed(keys):
             nested = {key: nested}
         raw = _merge(raw, nested)
-        _build_root(raw, f"override '{text}'")
-    return _build_root(_with_preset(raw, source), source)
+    if overrides:
+        # a rule that ties several keys may be broken by the file or by any override
+        source += " with --set " + " --set ".join(overrides)
+    return _build_root(_with_preset(raw), source)
+
+
+def _check_override(keys: list[str], value: Any, text: str) -> None:
+    """One override's key exists and its value has the key's type (rules between keys are
+    checked on the whole config: one override may need the next)."""
+    cls: Any = Config
+    for depth, key in enumerate(keys):
+        names = {f.name for f in dataclasses.fields(cls)}
+        dotted = ".".join(keys[: depth + 1])
+        if key not in names:
+            raise ConfigError(
+                f"override '{text}': unknown key '{dotted}' (valid keys here: "
+                f"{', '.join(sorted(names))})"
+            )
+        tp = _hints(cls)[key]
+        if depth == len(keys) - 1:
+            try:
+                _coerce(value, tp, dotted)
+            except ConfigError as err:
+                raise ConfigError(f"override '{text}': {err}") from None
+        elif not dataclasses.is_dataclass(tp):
+            raise ConfigError(f"override '{text}': '{dotted}' is a value, not a section")
+        cls = tp
 
 
 def load_config_or_exit(path: str | Path | None, overrides: list[str] | None = None) -> Config:

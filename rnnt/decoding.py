@@ -1,4 +1,5 @@
-"""Greedy RNN-T decoding (SPEC.md "Evaluation"): a per-utterance reference and batched decoders.
+"""Greedy RNN-T decoding (docs/SPEC.md "Evaluation"): a per-utterance reference and batched
+decoders.
 
 Semantics, identical in every mode: for each encoder frame t < f_len, evaluate the joint on
 (f_t, g) where g is the prediction network's output for the last emitted label (blank = start of
@@ -38,16 +39,17 @@ size, so a full pass over an evaluation set captures at most a handful of times.
 from __future__ import annotations
 
 import contextlib
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from rnnt.config import ConfigError
+from rnnt.config import EvalMode
 from rnnt.model import RNNT
 
-MODES = ("no_cg", "cg", "cg_unroll_pipeline")
+MODES = typing.get_args(EvalMode)
 FRAME_ROUNDING = 64  # encoder frames (~3.8 s of audio) per capacity step of a graphed decoder
 
 
@@ -88,12 +90,11 @@ def _designed_sync() -> Iterator[None]:
 
 
 def _check_limits(max_symbols_per_step: int, max_symbols_per_utterance: int) -> None:
+    # the eval config is checked at load (rnnt.config); these guard direct callers
     if max_symbols_per_step < 1:
-        raise ConfigError(f"eval.max_symbols_per_step must be >= 1, got {max_symbols_per_step}")
+        raise ValueError(f"max_symbols_per_step must be >= 1, got {max_symbols_per_step}")
     if max_symbols_per_utterance < 1:
-        raise ConfigError(
-            f"eval.max_symbols_per_utterance must be >= 1, got {max_symbols_per_utterance}"
-        )
+        raise ValueError(f"max_symbols_per_utterance must be >= 1, got {max_symbols_per_utterance}")
 
 
 def _check_encoder_output(f: torch.Tensor, f_lens: torch.Tensor) -> None:
@@ -188,12 +189,12 @@ class GreedyDecoder:
         max_frames: int = 0,
     ) -> None:
         if mode not in MODES:
-            raise ConfigError(f"eval.mode must be one of {', '.join(MODES)}, got '{mode}'")
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got '{mode}'")
         _check_limits(max_symbols_per_step, max_symbols_per_utterance)
         if mode != "no_cg" and batch_size < 1:
-            raise ConfigError(f"eval.mode={mode} needs eval.batch_size >= 1, got {batch_size}")
+            raise ValueError(f"mode {mode} needs a batch_size >= 1, got {batch_size}")
         if mode == "cg_unroll_pipeline" and unroll_factor < 1:
-            raise ConfigError(f"eval.cg_unroll_factor must be >= 1, got {unroll_factor}")
+            raise ValueError(f"unroll_factor must be >= 1, got {unroll_factor}")
         self.model = model
         self.blank_idx = blank_idx
         self.max_symbols_per_step = max_symbols_per_step

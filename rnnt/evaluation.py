@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from rnnt.backends import Choice, backend_line, eval_choices
 from rnnt.checkpoint import open_checkpoint
 from rnnt.config import Config, ConfigError
 from rnnt.data.augment import BatchTransform
@@ -106,6 +107,12 @@ class EvalSetup:
     loader: object
     transform: BatchTransform
     tokenizer: Tokenizer | None
+    backends: dict[str, Choice]
+
+    def announce(self, ctx: DistContext) -> None:
+        """Print which implementation runs each part (rnnt.backends), on the main rank."""
+        if ctx.is_main:
+            print(backend_line(self.backends), flush=True)
 
 
 def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str = "ema"):
@@ -140,7 +147,8 @@ def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str =
         utts += read_manifest(manifest, cfg.data.dataset_dir)
     loader = build_eval_loader(cfg, utts, ctx, tokenizer)
     transform = BatchTransform(cfg.features, train=False, dtype=dtype)
-    return EvalSetup(cfg, model, build_decoder(cfg, model), loader, transform, tokenizer)
+    decoder = build_decoder(cfg, model)
+    return EvalSetup(cfg, model, decoder, loader, transform, tokenizer, eval_choices(cfg))
 
 
 def score(setup: EvalSetup, ctx: DistContext) -> EvalResult:

@@ -101,11 +101,7 @@ def max_spliced_frames(max_duration: float, features: FeaturesConfig) -> int:
     extra samples covers the resampler's rounding and durations rounded in the manifest; a
     centered STFT gives samples // hop + 1 frames; splicing keeps ceil(frames / subsample).
     """
-    if max_duration <= 0:
-        raise ConfigError(f"data.max_duration must be positive, got {max_duration}")
     speed_min = features.speed_perturbation_min
-    if speed_min <= 0:
-        raise ConfigError(f"features.speed_perturbation_min must be positive, got {speed_min}")
     hop = round(features.window_stride * features.sample_rate)
     samples = math.ceil(max_duration * features.sample_rate / min(speed_min, 1.0)) + hop
     frames = samples // hop + 1

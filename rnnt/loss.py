@@ -6,30 +6,22 @@ H joint hidden size, V classes (blank is the last class).
 The loss of one utterance is -log P(y | x), the log-sum over all monotonic alignments of the
 T_b x (U_b+1) lattice (Graves 2012). Each backend is called with the joint *inputs*
 (`f`, `g`) and the `Joint` module, so a fused backend never materialises the (B, T, U+1, V)
-logits. Backends:
-
-    reference   Joint(f, g), then `rnnt_loss_reference` in float32 (float64 stays float64).
-    torchaudio  Joint(f, g), then torchaudio.functional.rnnt_loss (needs torchaudio). Its CUDA
-                kernel returned 0 for utterances with T = 1 or U = 0 in our tests (torchaudio
-                2.11), where its CPU kernel and the reference agree: avoid it for such data.
-    fused       Triton joint+loss of `rnnt.kernels` (needs a CUDA device and Triton). Its
-                logits GEMM is `loss.fused_gemm`: auto (a CUDA C++ kernel built with nvcc on
-                Hopper GPUs, else cuBLAS), cublas, or sm90 (that kernel or an error).
-    apex        apex.contrib.transducer TransducerJoint (packed, ReLU + dropout) + fc +
-                TransducerLoss (packed input); needs apex built with its transducer extension.
+logits. The backends are the classes of `BACKENDS`, one per `loss.backend`: reference,
+torchaudio, fused (its logits GEMM is `loss.fused_gemm`: auto, a CUDA C++ kernel built with nvcc
+on Hopper GPUs, else cuBLAS; cublas; or sm90, that kernel or an error) and apex.
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
-from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
-from rnnt.config import ConfigError
+from rnnt.config import ConfigError, LossConfig
 from rnnt.host_lengths import HostLens, check_host_lens, to_device
-
-BACKENDS = ("reference", "torchaudio", "fused", "apex")
+from rnnt.model import Joint
 
 # Stands in for log(0) on the lattice. It is finite so that logaddexp of two "impossible" terms
 # has finite gradients (with -inf autograd gives NaN); exp(_NEG - x) underflows to exactly 0
@@ -136,14 +128,143 @@ def rnnt_loss_reference(
 # Backends
 
 
-LossFn = Callable[..., torch.Tensor]
+class LossBackend:
+    """One way to compute the batch-mean loss from the joint inputs (see TransducerLoss)."""
+
+    name: ClassVar[str]
+    # the optional module it computes with, imported when the backend is built (None: torch)
+    requires: ClassVar[str | None] = None
+
+    def __init__(self, blank: int, fused_gemm: str) -> None:
+        self.blank = blank
+        self.fused_gemm = fused_gemm
+        self.module = None
+        if self.requires is not None:
+            try:
+                self.module = importlib.import_module(self.requires)
+            except ImportError as err:
+                raise ConfigError(
+                    f"loss.backend: '{self.name}' needs {self.requires}, which cannot be "
+                    f"imported here ({err}); choose another of {', '.join(BACKENDS)}"
+                ) from None
+
+    def prepare(self, joint: Joint) -> tuple[str, str]:
+        """(choice, reason) for `joint`'s device and dtype, with any kernel built now."""
+        return self.name, f"loss.backend: {self.name}"
+
+    def __call__(self, joint: Joint, f, g, f_lens, targets, target_lens, host_lens):
+        raise NotImplementedError
 
 
-def _import_error(backend: str, what: str, err: Exception) -> ConfigError:
-    return ConfigError(
-        f"loss.backend: '{backend}' needs {what}, which cannot be imported here ({err}); "
-        f"choose another of {', '.join(BACKENDS)}"
-    )
+class ReferenceLoss(LossBackend):
+    """Joint(f, g), then `rnnt_loss_reference` in float32 (float64 stays float64)."""
+
+    name = "reference"
+
+    def __call__(self, joint, f, g, f_lens, targets, target_lens, host_lens):
+        logits = joint(f, g)
+        return rnnt_loss_reference(logits, targets, f_lens, target_lens, self.blank).mean()
+
+
+class TorchaudioLoss(LossBackend):
+    """Joint(f, g), then torchaudio.functional.rnnt_loss. Its CUDA kernel returned 0 for
+    utterances with T = 1 or U = 0 in our tests (torchaudio 2.11), where its CPU kernel and the
+    reference agree: avoid it for such data."""
+
+    name = "torchaudio"
+    requires = "torchaudio.functional"
+
+    def __call__(self, joint, f, g, f_lens, targets, target_lens, host_lens):
+        # torchaudio insists that the padded sizes equal the longest lengths (one host sync).
+        t_max = int(f_lens.max())
+        u_max = int(target_lens.max())
+        logits = joint(f[:, :t_max], g[:, : u_max + 1])
+        if logits.dtype not in (torch.float16, torch.float32):
+            logits = logits.float()  # bf16 / fp64 are not supported by torchaudio's kernel
+        nll = self.module.rnnt_loss(
+            logits,
+            targets[:, :u_max].int(),
+            f_lens.int(),
+            target_lens.int(),
+            blank=self.blank,
+            reduction="none",
+            clamp=-1,
+            fused_log_softmax=True,
+        )
+        return nll.float().mean()
+
+
+class FusedLoss(LossBackend):
+    """The joint and the loss in one pass of rnnt.kernels.joint_loss, never materialising the
+    (B, T, U+1, V) logits (needs CUDA and Triton); its logits GEMM is `loss.fused_gemm`."""
+
+    name = "fused"
+    requires = "rnnt.kernels.joint_loss"  # imports Triton
+
+    def prepare(self, joint: Joint) -> tuple[str, str]:
+        weight = joint.operands().weight
+        vocab, hidden = weight.shape
+        try:
+            return self.module.resolve(self.fused_gemm, weight.device, weight.dtype, hidden, vocab)
+        except RuntimeError as err:  # loss.fused_gemm: sm90 where it cannot run
+            raise ConfigError(f"loss.fused_gemm: {err}") from None
+
+    def __call__(self, joint, f, g, f_lens, targets, target_lens, host_lens):
+        weight, bias, p = joint.operands()
+        # One operand dtype for the kernels (fp32 weights under autocast meet fp16 activations).
+        dt = f.dtype
+        # reduction='mean' inside the kernel call: its gradients then come out of one pass
+        return self.module.fused_joint_loss(
+            f, g.to(dt), weight.to(dt), bias.to(dt), f_lens, targets, target_lens,
+            blank=self.blank, dropout_p=p, host_lens=host_lens, reduction="mean",
+            gemm=self.fused_gemm,
+        )  # fmt: skip
+
+
+class ApexLoss(LossBackend):
+    """apex.contrib.transducer's TransducerJoint (packed, ReLU + dropout), the joint's output
+    layer, and its TransducerLoss on the packed rows (needs apex built with its transducer
+    extension)."""
+
+    name = "apex"
+    requires = "apex.contrib.transducer"
+
+    def __init__(self, blank: int, fused_gemm: str) -> None:
+        super().__init__(blank, fused_gemm)
+        self._loss = self.module.TransducerLoss(
+            fuse_softmax_backward=True, opt=1, packed_input=True
+        )
+
+    def __call__(self, joint, f, g, f_lens, targets, target_lens, host_lens):
+        weight, bias, p = joint.operands()
+        f_lens = f_lens.int()
+        g_lens = target_lens.int() + 1
+        if host_lens is None:
+            batch_offset = torch.cumsum(f_lens * g_lens, dim=0)
+            packed_rows = int(batch_offset[-1])  # packing sizes its output on the host: a sync
+        else:
+            t_lens, u_lens = check_host_lens(host_lens, f.shape[0], f.shape[1], g.shape[1] - 1)
+            ends = list(itertools.accumulate(t * (u + 1) for t, u in zip(t_lens, u_lens)))
+            batch_offset = to_device(ends, f.device, torch.int64)
+            packed_rows = ends[-1]
+        apex_joint = self.module.TransducerJoint(
+            pack_output=True, relu=True, dropout=p > 0, dropout_prob=p, opt=1
+        )
+        apex_joint.train(joint.training)
+        h = apex_joint(
+            f, g, f_lens, g_lens, batch_offset=batch_offset, packed_batch=packed_rows
+        )  # (sum_b T_b (U_b+1), H)
+        logits = torch.nn.functional.linear(h, weight, bias)
+        nll = self._loss(
+            logits, targets.int(), f_lens, target_lens.int(), self.blank,
+            batch_offset=batch_offset, max_f_len=f.shape[1],
+        )  # fmt: skip
+        return nll.float().mean()
+
+
+BACKENDS: dict[str, type[LossBackend]] = {
+    backend.name: backend for backend in (ReferenceLoss, TorchaudioLoss, FusedLoss, ApexLoss)
+}
 
 
 class TransducerLoss:
@@ -151,7 +272,7 @@ class TransducerLoss:
 
     `TransducerLoss(backend, blank_idx)(joint, f (B,T,H), g (B,U+1,H), f_lens (B,),
     targets (B,U), target_lens (B,)) -> scalar`; `joint` is the model's `rnnt.model.Joint`
-    (its fc weights and dropout are used; the fused backends never build its (B,T,U+1,V) output).
+    (a fused backend reads its `operands()` and never builds its (B,T,U+1,V) output).
 
     `host_lens=(f_lens, target_lens)` as host integers, when the caller has them: the fused
     backend then computes only the sum_b T_b (U_b + 1) lattice rows instead of the padded
@@ -162,65 +283,21 @@ class TransducerLoss:
     """
 
     def __init__(self, backend: str, blank_idx: int, fused_gemm: str = "auto") -> None:
-        if backend not in BACKENDS:
-            raise ConfigError(
-                f"loss.backend: unknown backend '{backend}' (choose one of {', '.join(BACKENDS)})"
-            )
-        if backend != "fused" and fused_gemm != "auto":
-            raise ConfigError(
-                f"loss.fused_gemm: '{fused_gemm}' applies to loss.backend fused only (the "
-                f"backend is '{backend}')"
-            )
+        LossConfig(backend, fused_gemm)  # the config's rules for the two names
         self.backend = backend
         self.blank_idx = blank_idx
         self.fused_gemm = fused_gemm
-        self._impl: LossFn = getattr(self, f"_{backend}")
-        if backend == "torchaudio":
-            try:
-                import torchaudio.functional as taf
-            except ImportError as err:
-                raise _import_error(backend, "torchaudio", err) from None
-            self._taf = taf
-        elif backend == "fused":
-            try:
-                from rnnt.kernels import fused_joint_loss, lattice_walk, logits_gemm
-            except ImportError as err:
-                raise _import_error(backend, "Triton (rnnt.kernels)", err) from None
-            if fused_gemm not in logits_gemm.GEMMS:
-                raise ConfigError(
-                    f"loss.fused_gemm: unknown GEMM '{fused_gemm}' (choose one of "
-                    f"{', '.join(logits_gemm.GEMMS)})"
-                )
-            self._fused_fn = fused_joint_loss
-            self._logits_gemm = logits_gemm
-            self._lattice_walk = lattice_walk
-        elif backend == "apex":
-            try:
-                from apex.contrib.transducer import TransducerJoint as ApexJoint
-                from apex.contrib.transducer import TransducerLoss as ApexLoss
-            except ImportError as err:
-                raise _import_error(backend, "apex.contrib.transducer", err) from None
-            self._apex_joint_cls = ApexJoint
-            self._apex_loss = ApexLoss(fuse_softmax_backward=True, opt=1, packed_input=True)
+        self._impl = BACKENDS[backend](blank_idx, fused_gemm)
 
-    def prepare(self, joint: torch.nn.Module) -> bool:
-        """Settle the fused backend's CUDA C++ kernels for `joint`'s device and dtype now
-        (building the sm90 logits GEMM if it is chosen, and the lattice walk), so a trainer pays
-        that before its clock starts. Whether the sm90 GEMM is used; False for the other
-        backends."""
-        if self.backend != "fused":
-            return False
-        weight = joint.fc.weight
-        if not weight.is_cuda:
-            return False
-        self._lattice_walk.available(weight.device)
-        return self._logits_gemm.use_sm90(
-            self.fused_gemm, weight.device, weight.dtype, weight.shape[1], weight.shape[0]
-        )
+    def prepare(self, joint: Joint) -> tuple[str, str]:
+        """(choice, reason) of the backend for `joint`'s device and dtype, e.g. ("fused(gemm=
+        sm90, walk=cuda)", ...); settles the fused backend's CUDA C++ kernels now, so that a
+        trainer pays for their build before its clock starts."""
+        return self._impl.prepare(joint)
 
     def __call__(
         self,
-        joint: torch.nn.Module,
+        joint: Joint,
         f: torch.Tensor,
         g: torch.Tensor,
         f_lens: torch.Tensor,
@@ -239,65 +316,3 @@ class TransducerLoss:
                 f"{tuple(g.shape)}, got {tuple(targets.shape)}"
             )
         return self._impl(joint, f, g, f_lens, targets, target_lens, host_lens)
-
-    def _reference(self, joint, f, g, f_lens, targets, target_lens, host_lens) -> torch.Tensor:
-        logits = joint(f, g)
-        return rnnt_loss_reference(logits, targets, f_lens, target_lens, self.blank_idx).mean()
-
-    def _torchaudio(self, joint, f, g, f_lens, targets, target_lens, host_lens) -> torch.Tensor:
-        # torchaudio insists that the padded sizes equal the longest lengths (one host sync).
-        t_max = int(f_lens.max())
-        u_max = int(target_lens.max())
-        logits = joint(f[:, :t_max], g[:, : u_max + 1])
-        if logits.dtype not in (torch.float16, torch.float32):
-            logits = logits.float()  # bf16 / fp64 are not supported by torchaudio's kernel
-        nll = self._taf.rnnt_loss(
-            logits,
-            targets[:, :u_max].int(),
-            f_lens.int(),
-            target_lens.int(),
-            blank=self.blank_idx,
-            reduction="none",
-            clamp=-1,
-            fused_log_softmax=True,
-        )
-        return nll.float().mean()
-
-    def _fused(self, joint, f, g, f_lens, targets, target_lens, host_lens) -> torch.Tensor:
-        dropout = joint.dropout
-        p = dropout.p if isinstance(dropout, torch.nn.Dropout) and joint.training else 0.0
-        # One operand dtype for the kernels (fp32 weights under autocast meet fp16 activations).
-        dt = f.dtype
-        # reduction='mean' inside the kernel call: its gradients then come out of one pass
-        return self._fused_fn(
-            f, g.to(dt), joint.fc.weight.to(dt), joint.fc.bias.to(dt), f_lens, targets,
-            target_lens, blank=self.blank_idx, dropout_p=p, host_lens=host_lens,
-            reduction="mean", gemm=self.fused_gemm,
-        )  # fmt: skip
-
-    def _apex(self, joint, f, g, f_lens, targets, target_lens, host_lens) -> torch.Tensor:
-        dropout = joint.dropout
-        p = dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0
-        f_lens = f_lens.int()
-        g_lens = target_lens.int() + 1
-        if host_lens is None:
-            batch_offset = torch.cumsum(f_lens * g_lens, dim=0)
-            packed_rows = int(batch_offset[-1])  # packing sizes its output on the host: a sync
-        else:
-            t_lens, u_lens = check_host_lens(host_lens, f.shape[0], f.shape[1], g.shape[1] - 1)
-            ends = list(itertools.accumulate(t * (u + 1) for t, u in zip(t_lens, u_lens)))
-            batch_offset = to_device(ends, f.device, torch.int64)
-            packed_rows = ends[-1]
-        apex_joint = self._apex_joint_cls(
-            pack_output=True, relu=True, dropout=p > 0, dropout_prob=p, opt=1
-        )
-        apex_joint.train(joint.training)
-        h = apex_joint(
-            f, g, f_lens, g_lens, batch_offset=batch_offset, packed_batch=packed_rows
-        )  # (sum_b T_b (U_b+1), H)
-        logits = joint.fc(h)
-        nll = self._apex_loss(
-            logits, targets.int(), f_lens, target_lens.int(), self.blank_idx,
-            batch_offset=batch_offset, max_f_len=f.shape[1],
-        )  # fmt: skip
-        return nll.float().mean()

@@ -2,7 +2,7 @@
 
 Words are the whitespace-separated tokens of a string (`str.split()`), so leading, trailing and
 repeated whitespace never count. The corpus WER is the sum of edits over the sum of reference
-words (SPEC.md), not the mean of per-utterance rates.
+words (docs/SPEC.md "Evaluation"), not the mean of per-utterance rates.
 
 Empty references follow jiwer 4: a set whose references hold no words at all has
 WER = total edits (every hypothesis word is an insertion), i.e. edits / max(ref_words, 1);

@@ -4,7 +4,8 @@ Check a log with
     python -m mlperf_logging.compliance_checker --usage training --ruleset 3.1.0 LOG
 
 The values logged are the run's real configuration: a config that departs from the closed
-division rules (SPEC.md) produces a log the checker rejects, which is the point of the check.
+division rules (docs/SPEC.md "Logging") produces a log the checker rejects, which is the point
+of the check.
 """
 
 from __future__ import annotations

@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rnnt.config import ConfigError, ModelConfig
+from rnnt.kernels import lstm_wave
 
 LSTMState = tuple[torch.Tensor, torch.Tensor]  # (h, c), each (layers, B, H)
 
@@ -41,27 +42,47 @@ def _init_lstm(lstm: nn.LSTM, forget_gate_bias: float, hh_bias_scale: float, sca
             param.mul_(scale)
 
 
-ENCODER_LSTMS = ("cudnn", "wave", "auto")
-
-
-def _lstm_wave():
-    # imported on use: the kernels package pulls in Triton, which cuDNN and CPU runs never need
-    from rnnt.kernels import lstm_wave
-
-    return lstm_wave
-
-
 @functools.cache
-def _wave_runs_on(device: torch.device, hidden: int, n_layers: int) -> bool:
-    """Whether the wave kernels run this stack on `device`; warns once why not."""
-    reason = _lstm_wave().unsupported(device, hidden, n_layers)
-    if reason is not None:
-        warnings.warn(
-            f"model.encoder_lstm: auto runs cuDNN on {device}: the wave kernels cannot run "
-            f"({reason})",
-            stacklevel=2,
+def _resolve_stack(
+    choice: str, device: torch.device, batch: int, hidden: int, n_layers: int
+) -> tuple[str, str]:
+    """(LSTM, reason) that trains a stack of `n_layers` x `hidden` at `batch` rows on `device`
+    under `model.encoder_lstm: choice`: "wave" or "cudnn" (nn.LSTM, on any device)."""
+    if choice == "cudnn":
+        return "cudnn", "model.encoder_lstm: cudnn"
+    if device.type != "cuda":
+        if choice == "wave":
+            return "wave", f"the kernels' plain-PyTorch twin on {device.type} (slow, for tests)"
+        return "cudnn", f"auto: the wave kernels run on a Hopper GPU, not on {device.type}"
+    if choice == "wave":
+        reason = lstm_wave.unsupported(device, hidden, n_layers)
+        if reason is not None:
+            raise ConfigError(f"model.encoder_lstm: wave cannot run here: {reason}")
+        return "wave", "model.encoder_lstm: wave"
+    # auto: where the kernels would only pad (a batch of 64 runs 192 rows) or cannot run,
+    # nn.LSTM is the faster choice; the batch is checked first, so no kernel is built for it
+    if batch % lstm_wave.BATCH_MULTIPLE:
+        return "cudnn", (
+            f"auto: a batch of {batch} is no multiple of the wave kernels' "
+            f"{lstm_wave.BATCH_MULTIPLE} rows"
         )
-    return reason is None
+    reason = lstm_wave.unsupported(device, hidden, n_layers)
+    if reason is not None:
+        return "cudnn", f"auto: the wave kernels cannot run here ({reason})"
+    return "wave", f"auto: a Hopper GPU and a multiple of {lstm_wave.BATCH_MULTIPLE} rows"
+
+
+def resolve_encoder_lstm(cfg: ModelConfig, device: torch.device, batch: int) -> tuple[str, str]:
+    """(LSTM, reason) that trains the encoder's stacks at micro-batches of `batch` on `device`;
+    evaluation always runs nn.LSTM. Raises ConfigError where `wave` is asked for and cannot
+    run."""
+    pre, post = (
+        _resolve_stack(cfg.encoder_lstm, device, batch, cfg.enc_n_hid, layers)
+        for layers in (cfg.enc_pre_rnn_layers, cfg.enc_post_rnn_layers)
+    )
+    if pre == post:
+        return pre
+    return f"pre_rnn:{pre[0]}+post_rnn:{post[0]}", f"pre_rnn: {pre[1]}; post_rnn: {post[1]}"
 
 
 def lstm_layer_weights(lstm: nn.LSTM) -> list[tuple[torch.Tensor, ...]]:
@@ -78,8 +99,7 @@ def lstm_layer_weights(lstm: nn.LSTM) -> list[tuple[torch.Tensor, ...]]:
 class StackedLSTM(nn.Module):
     """`num_layers` LSTM layers with dropout between layers and on the output.
 
-    Time-major: x (T, B, H_in) -> (T, B, H). With `decoupled=True` each layer is its own
-    nn.LSTM (same maths and parameter count as the multi-layer cuDNN LSTM). With
+    Time-major: x (T, B, H_in) -> (T, B, H). With
     `lstm="wave"` training runs through rnnt.kernels.lstm_wave (from zero state; no state
     returned) on the same parameters; `lstm="auto"` does so where the wave kernels run and
     the batch is a multiple of their 192 rows (on a Hopper GPU), else nn.LSTM. Evaluation
@@ -100,42 +120,31 @@ class StackedLSTM(nn.Module):
         lstm: str = "cudnn",
     ) -> None:
         super().__init__()
-        self.decoupled = cfg.decoupled_rnns
         self.num_layers = num_layers
         self.hidden_size = hidden_size
         self.dropout_p = dropout
         self.lstm = lstm
-        if lstm == "wave":
-            _lstm_wave()  # an install without the kernels' needs fails here, not at a step
-        if self.decoupled:
-            self.layers = nn.ModuleList(
-                nn.LSTM(input_size if i == 0 else hidden_size, hidden_size)
-                for i in range(num_layers)
-            )
-        else:
-            self.layers = nn.ModuleList(
-                [nn.LSTM(input_size, hidden_size, num_layers=num_layers, dropout=dropout)]
-            )
-        for lstm in self.layers:
-            _init_lstm(
-                lstm, cfg.forget_gate_bias, cfg.hidden_hidden_bias_scale, cfg.weights_init_scale
-            )
+        # a list of one: the parameter names that checkpoints hold (layers.0.weight_ih_l0, ...)
+        self.layers = nn.ModuleList(
+            [nn.LSTM(input_size, hidden_size, num_layers=num_layers, dropout=dropout)]
+        )
+        _init_lstm(
+            self.layers[0],
+            cfg.forget_gate_bias,
+            cfg.hidden_hidden_bias_scale,
+            cfg.weights_init_scale,
+        )
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def _runs_wave(self, x: torch.Tensor, state: LSTMState | None) -> bool:
-        if self.lstm == "wave":
-            return True
-        # auto: where the kernels would only pad (a batch of 64 runs 192 rows) or cannot run,
-        # nn.LSTM is the faster choice
-        if state is not None or not x.is_cuda or x.shape[1] % _lstm_wave().BATCH_MULTIPLE:
+        if self.lstm == "auto" and state is not None:
             return False
-        if not 0 <= self.dropout_p < 1:
-            return False
-        return _wave_runs_on(x.device, self.hidden_size, self.num_layers)
+        key = (self.lstm, x.device, x.shape[1], self.hidden_size, self.num_layers)
+        return _resolve_stack(*key)[0] == "wave"
 
     def layer_weights(self) -> list[tuple[torch.Tensor, ...]]:
         """Per layer (w_ih, w_hh, b_ih, b_hh), the nn.LSTM parameters themselves."""
-        return [weights for lstm in self.layers for weights in lstm_layer_weights(lstm)]
+        return lstm_layer_weights(self.layers[0])
 
     def forward(
         self,
@@ -146,19 +155,10 @@ class StackedLSTM(nn.Module):
         if self.lstm != "cudnn" and self.training and self._runs_wave(x, state):
             if state is not None:
                 raise ValueError("the wave LSTM runs from zero state only")
-            y = _lstm_wave().lstm_stack(x, self.layer_weights(), self.dropout_p, lengths=lengths)
+            y = lstm_wave.lstm_stack(x, self.layer_weights(), self.dropout_p, lengths=lengths)
             return y, None
-        if not self.decoupled:
-            x, state = self.layers[0](x, state)
-            return self.dropout(x), state
-        hs, cs = [], []
-        for i, lstm in enumerate(self.layers):
-            layer_state = None if state is None else (state[0][i : i + 1], state[1][i : i + 1])
-            x, (h, c) = lstm(x, layer_state)
-            hs.append(h)
-            cs.append(c)
-            x = self.dropout(x)  # between layers and after the last, as nn.LSTM + output dropout
-        return x, (torch.cat(hs), torch.cat(cs))
+        x, state = self.layers[0](x, state)
+        return self.dropout(x), state
 
 
 class StackTime(nn.Module):
@@ -199,21 +199,6 @@ class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hid = cfg.enc_n_hid
-        if cfg.encoder_lstm not in ENCODER_LSTMS:
-            raise ConfigError(
-                f"model.encoder_lstm: unknown LSTM '{cfg.encoder_lstm}' (choose one of "
-                f"{', '.join(ENCODER_LSTMS)})"
-            )
-        wave = cfg.encoder_lstm == "wave"  # auto falls back to cuDNN instead of failing
-        if wave and hid % 32:
-            raise ConfigError(
-                f"model.enc_n_hid: the wave LSTM (model.encoder_lstm: wave) needs a multiple of "
-                f"32 (its kernels: 1024), got {hid}"
-            )
-        if wave and not 0 <= cfg.enc_dropout < 1:
-            raise ConfigError(
-                f"model.enc_dropout: the wave LSTM needs 0 <= p < 1, got {cfg.enc_dropout}"
-            )
         self.pre_rnn = StackedLSTM(
             cfg.in_feats, hid, cfg.enc_pre_rnn_layers, cfg.enc_dropout, cfg, cfg.encoder_lstm
         )
@@ -271,17 +256,29 @@ class Prediction(nn.Module):
         return self.joint_pred(g[0]), state
 
 
+class JointOperands(NamedTuple):
+    """What the joint computes its logits from, for a loss that computes them itself."""
+
+    weight: torch.Tensor  # (V, H), the output layer's
+    bias: torch.Tensor  # (V,)
+    dropout_p: float  # the dropout in effect: 0 outside training
+
+
 class Joint(nn.Module):
     """logits = fc(dropout(relu(f + g))), broadcast over (T, U+1).
 
     The projections joint_enc / joint_pred live in Encoder / Prediction; this module holds only
-    the part that the fused loss kernel replaces.
+    the part that the fused loss kernel replaces, which reads it through `operands()`.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.dropout = nn.Dropout(cfg.joint_dropout) if cfg.joint_dropout > 0 else nn.Identity()
         self.fc = nn.Linear(cfg.joint_n_hid, cfg.n_classes)
+
+    def operands(self) -> JointOperands:
+        p = self.dropout.p if isinstance(self.dropout, nn.Dropout) and self.training else 0.0
+        return JointOperands(self.fc.weight, self.fc.bias, p)
 
     def forward(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """f (B, T, H), g (B, U+1, H) -> logits (B, T, U+1, V)."""
@@ -296,8 +293,6 @@ class Joint(nn.Module):
 class RNNT(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.n_classes < 2:
-            raise ConfigError(f"model.n_classes must be at least 2, got {cfg.n_classes}")
         self.cfg = cfg
         self.blank_idx = cfg.blank_idx
         self.encoder = Encoder(cfg)

@@ -1,8 +1,11 @@
 """Human-readable training log lines (stdout) and a JSON-lines metrics file, main rank only.
 
 Every `step` / `eval` call prints one line and appends one JSON object to
-`OUTPUT_DIR/metrics.jsonl` (appending, so a resumed run continues the same file):
+`OUTPUT_DIR/metrics.jsonl` (appending, so a resumed run continues the same file), after one
+record of the run's implementation choices (rnnt.backends):
 
+    {"kind": "backends", "time": ..., "data": "torch/cpu", "encoder_lstm": "cudnn",
+     "loss": "reference", "lamb": "torch", "reasons": {"data": "auto: ...", ...}}
     {"kind": "train", "time": 1714000000.1, "step": 120, "epoch": 2, "loss": 48.2, "lr": 0.0031,
      "utts_per_s": 1520.4, "step_ms": 126.3, "window_steps": 10, "data_wait_share": 0.01,
      "peak_memory_gib": 61.2, "mfu": 0.212, "loss_scale": 512.0, "skipped_steps": 0}
@@ -78,6 +81,16 @@ class RunLog:
     def info(self, message: str) -> None:
         if self.is_main:
             self._print(message)
+
+    def backends(self, line: str, choices: dict[str, tuple[str, str]]) -> None:
+        """Which implementation runs each part (rnnt.backends): `line` printed, and a record of
+        each choice with the reasons under "reasons"."""
+        if not self.is_main:
+            return
+        self._print(line)
+        fields: dict = {part: choice for part, (choice, _) in choices.items()}
+        fields["reasons"] = {part: reason for part, (_, reason) in choices.items()}
+        self._record("backends", fields)
 
     def step(
         self,

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from rnnt.backends import backend_line, training_choices
 from rnnt.checkpoint import Checkpoint, CheckpointManager, capture_rng_state, restore_rng_state
-from rnnt.config import Config, ConfigError, preset_global_batch, to_dict
+from rnnt.config import Config, ConfigError, check_device, preset_global_batch, to_dict
 from rnnt.data.augment import BatchTransform
 from rnnt.data.batch import FeatureBatch
 from rnnt.data.loader import build_loader
@@ -71,12 +72,7 @@ class Trainer:
         self.cfg = cfg
         self.ctx = ctx
         tcfg = cfg.training
-        if tcfg.precision not in DTYPES:
-            raise ConfigError(
-                f"training.precision: '{tcfg.precision}' is not one of {list(DTYPES)}"
-            )
-        if tcfg.precision == "fp16" and ctx.device.type != "cuda":
-            raise ConfigError("training.precision: fp16 needs a CUDA device; use fp32 or bf16")
+        check_device(cfg, ctx.device.type)
         self.dtype = DTYPES[tcfg.precision]
         self.out_dir = Path(tcfg.output_dir)
         self.mlperf = mlperf or MLPerfLogger(None, ctx.rank)
@@ -167,7 +163,7 @@ class Trainer:
         cfg, ctx, dcfg = self.cfg, self.ctx, self.cfg.data
         if self.tokenizer is None:
             self.tokenizer = tokenizer_for_lengths_table(
-                dcfg.synthetic_train_lengths, dcfg.vocab_size, self.out_dir / "tokenizer"
+                dcfg.synthetic_train_lengths, cfg.model.n_classes - 1, self.out_dir / "tokenizer"
             )
         common = dict(
             tokenizer=self.tokenizer, features=cfg.features, rank=ctx.rank,
@@ -223,7 +219,10 @@ class Trainer:
             enabled=cfg.training.precision == "fp16",
         )
         self.loss_fn = TransducerLoss(cfg.loss.backend, self.model.blank_idx, cfg.loss.fused_gemm)
-        self.loss_fn.prepare(self.model.joint)  # any kernel build happens before run_start
+        # any kernel build happens here, before run_start
+        loss_choice = self.loss_fn.prepare(self.model.joint)
+        self.backends = training_choices(cfg, ctx.device, loss_choice, self.optimizer.backend)
+        self.log.backends(backend_line(self.backends), self.backends)
         self.augment_generator = torch.Generator(device=ctx.device)
         self.augment_generator.manual_seed(self.seeds.augment)
         self.train_transform = BatchTransform(
@@ -236,8 +235,6 @@ class Trainer:
         self.decoder = build_decoder(cfg, self.eval_model)
         self.graphs = None
         if cfg.training.num_cg > 0:
-            if ctx.device.type != "cuda":
-                raise ConfigError("training.num_cg > 0 needs a CUDA device (use num_cg 0 on CPU)")
             from rnnt.graphs import TrainingGraphs
 
             self.graphs = TrainingGraphs.for_config(

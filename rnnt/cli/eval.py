@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    setup.announce(ctx)
     result = score(setup, ctx)
     output = Path(args.output) if args.output else Path(args.checkpoint).with_suffix(".hyps.jsonl")
     if ctx.is_main:

@@ -1,8 +1,8 @@
 """Torch-native audio front end: padded waveforms (B, S) -> normalized log-mels (B, n_mels, T).
 
-This module is the definition of the front end of SPEC.md; `rnnt.data.dali` builds the same
-maths from DALI operators and is tested against it. Every detail that SPEC.md leaves open is
-fixed here, chosen so that DALI's operators can express it exactly:
+This module is the definition of the front end of docs/SPEC.md "Features"; `rnnt.data.dali`
+builds the same maths from DALI operators and is tested against it. Every detail that the
+benchmark leaves open is fixed here, chosen so that DALI's operators can express it exactly:
 
 * Decode: mono float32 at `sample_rate` (16 kHz); several channels are averaged.
 * Resampling (sample-rate conversion and speed perturbation, one pass): Hann-windowed sinc,

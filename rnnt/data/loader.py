@@ -52,9 +52,6 @@ from rnnt.data.manifest import Utterance
 from rnnt.data.sampler import BucketingSampler, SequentialBatches
 from rnnt.seeds import derive_seed, rank_seeds
 
-BACKENDS = ("auto", "dali", "torch")  # "synthetic" reads no manifests: rnnt.data.synthetic
-
-
 EVAL_SEED = 0
 
 
@@ -64,22 +61,19 @@ def dali_available() -> bool:
     return dali.DALI_AVAILABLE
 
 
-def resolve_backend(name: str) -> str:
-    if name == "synthetic":
-        raise ValueError(
-            "data.backend = synthetic has no manifest loader: build "
-            "rnnt.data.synthetic.SyntheticFeatureSource from the lengths tables instead"
-        )
-    if name not in BACKENDS:
-        raise ValueError(f"data.backend = {name!r}: expected one of {', '.join(BACKENDS)}")
+def resolve_backend(name: str) -> tuple[str, str]:
+    """(backend, reason): what produces the batches under `data.backend: name`, one of dali,
+    torch and synthetic. Raises ConfigError where dali is asked for and does not import."""
     if name == "auto":
-        return "dali" if dali_available() else "torch"
+        if dali_available():
+            return "dali", "auto: nvidia.dali imports"
+        return "torch", "auto: nvidia.dali does not import"
     if name == "dali" and not dali_available():
-        raise RuntimeError(
-            "data.backend = dali but nvidia.dali is not importable: install "
-            "nvidia-dali-cuda120/130 or set data.backend to torch (or auto)"
+        raise ConfigError(
+            "data.backend: dali, but nvidia.dali does not import here: install "
+            "nvidia-dali-cuda120/130 or choose torch (or auto)"
         )
-    return name
+    return name, f"data.backend: {name}"
 
 
 def audio_path(utt: Utterance, dataset_dir: str | Path | None) -> str:
@@ -232,7 +226,6 @@ class TorchFeatureLoader:
         seed: int,
     ) -> None:
         data = cfg.data
-        _check_devices(data.device, data.resampling_device)
         self.device = device
         self.assembler = assembler
         self.on_device = data.device == "gpu"
@@ -333,14 +326,6 @@ def _one_thread(_worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
-def _check_devices(device: str, resampling_device: str) -> None:
-    for key, value in (("data.device", device), ("data.resampling_device", resampling_device)):
-        if value not in ("cpu", "gpu"):
-            raise ValueError(f"{key} = {value!r}: expected cpu or gpu")
-    if resampling_device == "gpu" and device == "cpu":
-        raise ValueError("data.resampling_device = gpu needs data.device = gpu")
-
-
 # --------------------------------------------------------------------------------------------
 # DALI backend wiring: file access and diagnosis stay here, next to the torch backend's
 
@@ -417,7 +402,12 @@ def build_loader(
     """
     if not utts:
         raise ValueError("build_loader: no utterances (empty manifest?)")
-    backend = resolve_backend(cfg.data.backend)
+    backend, _ = resolve_backend(cfg.data.backend)
+    if backend == "synthetic":
+        raise ValueError(
+            "data.backend: synthetic has no manifest loader: build "
+            "rnnt.data.synthetic.SyntheticFeatureSource from the lengths tables instead"
+        )
     device = torch.device(device)
     durations = [u.duration for u in utts]
     # evaluation's one random draw (dither) is the same in every run, so that eval.py scores a

@@ -1,6 +1,7 @@
 """Training batch sampler (bucketing, rank dealing, exact resume) and evaluation batches.
 
-Training epoch, as in SPEC.md, for N utterances, global batch G, k buckets and W ranks:
+Training epoch, as in docs/SPEC.md "Sampler", for N utterances, global batch G, k buckets and
+W ranks:
 
 1. Buckets: the utterance indices sorted by duration (stable, so ties keep manifest order);
    bucket b holds sorted positions [b*N//k, (b+1)*N//k). Buckets are fixed for the run.

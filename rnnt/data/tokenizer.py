@@ -1,4 +1,4 @@
-"""SentencePiece tokenizer of SPEC.md: unigram, character coverage 1.0, no BOS/EOS.
+"""SentencePiece tokenizer of docs/SPEC.md "Tokenizer": unigram, character coverage 1.0, no BOS/EOS.
 
 Id 0 is `<unk>`: a transcript that needs it cannot be learned, so encoding one is an error that
 names the utterance. The model's classes are the pieces plus blank (`vocab_size + 1`).

@@ -1,8 +1,17 @@
-"""Triton kernels: the fused joint + loss (`loss.backend: fused`, rnnt/kernels/joint_loss.py)
-and LAMB's elementwise step (rnnt/kernels/lamb.py, used by rnnt.optim.lamb.Lamb on CUDA); and
-the fused loss's CUDA C++ kernels (csrc/, built by cuda_build.py): the Hopper logits GEMM
-(logits_gemm.py) and the lattice walk (lattice_walk.py)."""
+"""Hand-written kernels, one module each, imported where they are used (importing this package
+loads nothing: Triton takes seconds to import and CPU runs never need it).
 
-from rnnt.kernels.joint_loss import dropout_keep_mask, fused_joint_loss
+- joint_loss: the fused joint + RNN-T loss (`loss.backend: fused`): its host schedule and
+  autograd over the Triton kernels of joint_loss_kernels and two CUDA C++ kernels, logits_gemm
+  (the Hopper logits GEMM) and lattice_walk (the lattice walk);
+- lstm_wave: the encoder's LSTM stacks as waves of Hopper kernels (`model.encoder_lstm: wave`);
+- lamb: LAMB's elementwise step in one Triton kernel;
+- cuda_build: compiles and caches the CUDA C++ sources of csrc/ with the machine's nvcc.
+"""
 
-__all__ = ["dropout_keep_mask", "fused_joint_loss"]
+import importlib.util
+
+
+def triton_available() -> bool:
+    """Whether Triton is installed, found without importing it."""
+    return importlib.util.find_spec("triton") is not None

@@ -1,19 +1,19 @@
 """The fused loss's lattice walk in CUDA C++ (`csrc/lattice_walk.cu`), used in place of the
-Triton `_lattice_kernel` wherever it builds: the same arithmetic, bitwise the same alpha, beta
-and log P (tests/unit/test_lattice_walk.py), in about half the time: a walk is a chain of
-dependent steps, and this kernel issues each step's contiguous diagonal-major loads as vectors
-four diagonals ahead (docs/PERFORMANCE.md).
+Triton `lattice_kernel` wherever it builds: the same arithmetic, bitwise the same alpha, beta
+and log P (tests/unit/test_lattice_walk.py), faster: a walk is a chain of dependent steps, and
+this kernel issues each step's contiguous diagonal-major loads as vectors four diagonals ahead
+(docs/PERFORMANCE.md "The lattice walk in CUDA C++ over diagonal-major inputs").
 
 Built by the machine's nvcc for the GPU's architecture on first use (`rnnt.kernels.cuda_build`);
-where that fails (no nvcc), the Triton kernel runs and a warning says why, once. The walk
-takes lattices of up to MAX_U1 label states (U_max + 1), wider ones take the Triton kernel.
+where that fails (no nvcc), the Triton kernel runs, and `resolve` says why (a run prints it in
+its backend line). The walk takes lattices of up to MAX_U1 label states (U_max + 1), wider ones
+take the Triton kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import warnings
 from pathlib import Path
 
 import torch
@@ -54,26 +54,27 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL:
 
 
 @functools.cache
-def available(device: torch.device) -> bool:
-    """Whether the CUDA walk runs on `device` (building it the first time); warns once if a
-    CUDA device is left on the Triton walk because the build failed."""
+def resolve(device: torch.device) -> tuple[str, str]:
+    """("cuda" or "triton", reason): the walk the fused loss takes on `device` (building the
+    CUDA one the first time)."""
     if device.type != "cuda":
-        return False
+        return "triton", f"the CUDA walk needs a CUDA device, not {device.type}"
     try:
         library(torch.cuda.get_device_capability(device))
     except BuildError as err:
-        warnings.warn(
-            f"fused loss: the CUDA lattice walk is not used ({err}); Triton's instead",
-            stacklevel=2,
-        )
-        return False
-    return True
+        return "triton", f"the CUDA walk does not build here ({err})"
+    return "cuda", f"built for this GPU (lattices over {MAX_U1} label states take Triton's)"
+
+
+def available(device: torch.device) -> bool:
+    """Whether the CUDA walk runs on `device`."""
+    return resolve(device)[0] == "cuda"
 
 
 def walk(skew_blank, skew_label, soffs, f_lens, target_lens, alpha, beta, log_lik, b0: int,
          bc: int, t_max: int, u1: int, packed: bool) -> None:  # fmt: skip
     """alpha, beta (diagonal-major, fp64) and log P (B, fp64) of utterances [b0, b0 + bc),
-    queued on the current stream: the arguments of joint_loss._lattice_kernel, on one CUDA
+    queued on the current stream: the arguments of joint_loss.lattice_kernel, on one CUDA
     device, with OVERREAD readable cells past the diagonal-major inputs."""
     device = alpha.device
     lib = library(torch.cuda.get_device_capability(device))

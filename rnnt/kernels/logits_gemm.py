@@ -3,10 +3,9 @@
 `csrc/logits_lse_sm90.cu` (CUDA C++, wgmma + TMA, built by `rnnt.kernels.cuda_build`) writes
 the fp16 logits h W^T of a chunk, as cuBLAS does (bitwise the same values), and per row and
 128-class tile the base-2 (max, sum exp2) of the biased, dropout-scaled logits; the joint loss's
-`_stats_from_partials_kernel` then needs only those and two gathers instead of a second pass
-over the logits. Measured on an H200 at (192, 204, 44), fp16: the forward + backward call goes
-from 13.0 to 12.3 ms, the ragged LibriSpeech batch of bench/joint_loss.py from 19.7 to 18.9 ms
-(docs/PERFORMANCE.md).
+`stats_from_partials_kernel` then needs only those and two gathers instead of a second pass
+over the logits, and the softmax epilogue runs while the other warp group's MMAs do
+(docs/PERFORMANCE.md "The sm90 logits GEMM: the log-sum-exp in an overlapped epilogue").
 
 `gemm` choices: 'cublas' (cuBLAS + the stats kernel: the reference this path is tested
 against), 'sm90' (this kernel, or an error saying why it cannot run), 'auto' (this kernel where
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import warnings
 from pathlib import Path
 
 import torch
@@ -61,28 +59,32 @@ def unsupported(device: torch.device, dtype: torch.dtype, hidden: int, vocab: in
 
 
 @functools.cache
-def use_sm90(gemm: str, device: torch.device, dtype: torch.dtype, hidden: int, vocab: int) -> bool:
-    """Whether the fused loss takes this kernel for these operands under `gemm` (see the module
-    docstring); builds the library the first time it says yes."""
+def resolve(
+    gemm: str, device: torch.device, dtype: torch.dtype, hidden: int, vocab: int
+) -> tuple[str, str]:
+    """("sm90" or "cublas", reason): the GEMM the fused loss takes for these operands under
+    `gemm` (see the module docstring); builds the library the first time it picks this kernel.
+    Raises RuntimeError where `gemm` is 'sm90' and the kernel cannot run."""
     if gemm not in GEMMS:
         raise ValueError(f"logits GEMM must be one of {GEMMS}, got {gemm!r}")
     if gemm == "cublas":
-        return False
+        return "cublas", "loss.fused_gemm: cublas"
     reason = unsupported(device, dtype, hidden, vocab)
     if reason is None:
         try:
             library()
         except BuildError as err:
             reason = str(err)
-            if gemm == "auto":
-                # a Hopper GPU left on the slower path: say so once
-                warnings.warn(
-                    f"fused loss: the sm90 logits GEMM is not used ({reason}); cuBLAS instead",
-                    stacklevel=2,
-                )
-    if reason is not None and gemm == "sm90":
+    if reason is None:
+        return "sm90", f"loss.fused_gemm: {gemm}, on a Hopper GPU with fp16 operands"
+    if gemm == "sm90":
         raise RuntimeError(f"fused loss: the sm90 logits GEMM cannot run: {reason}")
-    return reason is None
+    return "cublas", f"auto: the sm90 GEMM cannot run here ({reason})"
+
+
+def use_sm90(gemm: str, device: torch.device, dtype: torch.dtype, hidden: int, vocab: int) -> bool:
+    """Whether the fused loss takes this kernel for these operands under `gemm`."""
+    return resolve(gemm, device, dtype, hidden, vocab)[0] == "sm90"
 
 
 def logits_with_partials(

@@ -37,7 +37,12 @@ import torch
 import torch.distributed as dist
 
 from rnnt.distributed import DistContext
-from rnnt.optim.lamb import moments_and_update, triton_available, unscale_and_clip
+from rnnt.optim.lamb import (
+    moments_and_update,
+    resolve_update,
+    unscale_and_clip,
+    update_function,
+)
 
 ALIGN = 64  # elements: every rank's chunk of a bucket starts 128-byte aligned in fp16
 
@@ -205,13 +210,8 @@ class DistributedLamb:
         self._owners = torch.tensor(
             [o if o >= 0 else n_params for o in owners], dtype=torch.int64, device=device
         )
-        if fused is None:
-            fused = device.type == "cuda" and triton_available()
-        self._fused_update = None
-        if fused:
-            from rnnt.kernels.lamb import lamb_update_
-
-            self._fused_update = lamb_update_
+        self.backend = resolve_update(device, fused)  # (choice, reason)
+        self._fused_update = update_function(self.backend[0])
         self.grad_flat: torch.Tensor | None = None
         self._grad_shard: torch.Tensor | None = None
         self._weights_flat: torch.Tensor | None = None

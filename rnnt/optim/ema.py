@@ -1,4 +1,5 @@
-"""Exponential moving average of the weights, kept in fp32; evaluation uses it (SPEC.md)."""
+"""Exponential moving average of the weights, kept in fp32; evaluation uses it (docs/SPEC.md
+"Training")."""
 
 from __future__ import annotations
 

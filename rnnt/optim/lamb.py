@@ -38,13 +38,28 @@ from collections.abc import Iterable
 
 import torch
 
+from rnnt.kernels import triton_available
 
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+
+def resolve_update(device: torch.device, fused: bool | None = None) -> tuple[str, str]:
+    """("triton" or "torch", reason): what runs the elementwise step on `device`. fused: True
+    or False forces one; None takes the Triton kernel on CUDA where Triton is installed."""
+    if fused is not None:
+        return ("triton", "fused=True") if fused else ("torch", "fused=False")
+    if device.type != "cuda":
+        return "torch", f"the Triton kernel runs on CUDA, not on {device.type}"
+    if not triton_available():
+        return "torch", "Triton is not installed"
+    return "triton", "CUDA with Triton installed"
+
+
+def update_function(choice: str):
+    """rnnt.kernels.lamb.lamb_update_ for a "triton" choice, else None (the PyTorch maths)."""
+    if choice != "triton":
+        return None
+    from rnnt.kernels.lamb import lamb_update_  # imports Triton: only where it runs
+
+    return lamb_update_
 
 
 def unscale_and_clip(
@@ -175,13 +190,8 @@ class Lamb(torch.optim.Optimizer):
             params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         )
         self._device = self._flat[0].exp_avg.device
-        if fused is None:
-            fused = self._device.type == "cuda" and triton_available()
-        self._fused_update = None
-        if fused:
-            from rnnt.kernels.lamb import lamb_update_
-
-            self._fused_update = lamb_update_
+        self.backend = resolve_update(self._device, fused)
+        self._fused_update = update_function(self.backend[0])
         # optimizer steps actually applied (skipped steps do not count); drives bias correction
         self._steps = torch.zeros((), dtype=torch.float32, device=self._device)
 

@@ -1,4 +1,5 @@
-"""The MLPerf RNN-T learning-rate policy (SPEC.md), as a pure function of step and epoch."""
+"""The MLPerf RNN-T learning-rate policy (docs/SPEC.md "Training"), as a pure function of step
+and epoch."""
 
 from __future__ import annotations
 

@@ -39,6 +39,12 @@ def test_quickstart_trains_digits_to_target_with_a_compliant_log(repo_root, tmp_
     assert accuracy[-1] == pytest.approx(evals[-1]["wer"])
     assert [r["metadata"]["status"] for r in lines if r["key"] == "run_stop"] == ["success"]
 
+    # training and eval.py say which implementations ran (rnnt.backends)
+    assert re.search(
+        r"backends: data=\S+/cpu encoder_lstm=cudnn loss=reference lamb=torch$", log, re.M
+    )
+    assert re.search(r"^backends: data=\S+/cpu encoder_lstm=cudnn$", log, re.M), log[-2000:]
+
     # eval.py re-scores the newest checkpoint to the WER the training log reported
     match = re.search(r"^WER: ([0-9.]+)$", log, re.MULTILINE)
     assert match, log[-2000:]

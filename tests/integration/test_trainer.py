@@ -68,6 +68,13 @@ def test_resume_mid_epoch_continues_exactly(corpus, tmp_path, encoder_lstm):
     trainer.fit()
     reference = losses(full)
     assert sorted(reference) == list(range(1, 13))
+    (chosen,) = [r for r in read_metrics(full / "metrics.jsonl") if r["kind"] == "backends"]
+    assert [chosen[k] for k in ("data", "encoder_lstm", "loss", "lamb")] == [
+        "torch/cpu",
+        encoder_lstm,
+        "reference",
+        "torch",
+    ]
     final = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     final_ema = [w.clone() for w in trainer.ema.weights]
 
@@ -225,7 +232,7 @@ def test_training_step_never_syncs_with_the_host(tmp_path, lengths_dir, loss_bac
     cfg = load_config(
         Path(__file__).parents[2] / "configs/tiny.yaml",
         [
-            "data.backend=synthetic", "data.tokenizer=", "data.vocab_size=1023",
+            "data.backend=synthetic", "data.tokenizer=",
             "model.n_classes=1024", "data.max_duration=4.0", "training.batch_size=8",
             "training.precision=fp16", f"training.output_dir={tmp_path}",
             f"loss.backend={loss_backend}", f"training.num_cg={num_cg}",

@@ -1,10 +1,26 @@
+import ast
+import dataclasses
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
-from rnnt.config import GBS_PRESETS, ConfigError, load_config
+from rnnt import config as config_module
+from rnnt.config import (
+    GBS_PRESETS,
+    Config,
+    ConfigError,
+    DataConfig,
+    FeaturesConfig,
+    LossConfig,
+    ModelConfig,
+    Preset,
+    SpecAugmentConfig,
+    check_device,
+    load_config,
+)
 
 
 def test_baseline_config_matches_spec(repo_root):
@@ -44,7 +60,10 @@ def test_preset_fills_and_explicit_values_win():
         ("modle:\n  enc_n_hid: 3\n", "unknown key 'modle'"),
         ("model:\n  enc_n_hid: big\n", "model.enc_n_hid: expected an integer, got 'big'"),
         ("training:\n  deterministic: 1\n", "training.deterministic: expected true or false"),
-        ("optimizer:\n  preset: gbs999\n", "unknown optimizer preset 'gbs999'"),
+        ("optimizer:\n  preset: gbs999\n", "optimizer.preset: expected one of '', 'gbs512'"),
+        ("data:\n  backend: dalii\n", "data.backend: expected one of 'auto', 'dali'"),
+        ("data:\n  device: tpu\n", "data.device: expected one of 'cpu', 'gpu', got 'tpu'"),
+        ("features:\n  n_mels: 100\n", "features.pad_features_to: must hold frame_stack x"),
         ("- a\n- b\n", "the top level must be a mapping"),
         ("model: [\n", "not valid YAML"),
     ],
@@ -124,3 +143,89 @@ def test_a_base_is_read_relative_to_its_file_and_cannot_loop(tmp_path):
     (tmp_path / "uses_bad.yaml").write_text("base: bad.yaml\n")
     with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'traning'.*the base of"):
         load_config(tmp_path / "uses_bad.yaml")
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: DataConfig(device="cpu", resampling_device="gpu"),
+         "data.resampling_device: gpu needs data.device: gpu"),
+        (lambda: FeaturesConfig(spec_augment=SpecAugmentConfig(max_freq=90)),
+         "features.spec_augment.max_freq: a mask cannot be wider than the 80 mel bins, got 90"),
+        (lambda: FeaturesConfig(pad_features_to=200),
+         "features.pad_features_to: must hold frame_stack x n_mels = 240 features, got 200"),
+        (lambda: SpecAugmentConfig(min_freq=5, max_freq=2),
+         "features.spec_augment.max_freq: must be >= min_freq 5, got 2"),
+        (lambda: ModelConfig(encoder_lstm="wave", enc_n_hid=100),
+         "model.enc_n_hid: the wave LSTM (model.encoder_lstm: wave) needs a multiple of 32"),
+        (lambda: ModelConfig(joint_dropout=1.0),
+         "model.joint_dropout: a probability needs 0 <= p < 1, got 1.0"),
+        (lambda: ModelConfig(n_classes=1), "model.n_classes: must be >= 2, got 1"),
+        (lambda: LossConfig(backend="reference", fused_gemm="sm90"),
+         "loss.fused_gemm: 'sm90' applies to loss.backend fused only"),
+        (lambda: Config(model=ModelConfig(in_feats=240)),
+         "model.in_feats: must equal features.pad_features_to 256, got 240"),
+    ],
+)  # fmt: skip
+def test_rules_between_keys_hold_wherever_a_config_is_built(build, message):
+    with pytest.raises(ConfigError) as err:
+        build()
+    assert str(err.value).startswith(message)
+
+
+def test_a_rule_broken_by_the_file_and_its_overrides_names_both(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  device: gpu\n  resampling_device: gpu\n")
+    # one override may need the next: only the whole is checked against the rules
+    cfg = load_config(path, ["data.device=cpu", "data.resampling_device=cpu"])
+    assert (cfg.data.device, cfg.data.resampling_device) == ("cpu", "cpu")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["data.device=cpu"])
+    message = str(err.value)
+    assert message.startswith(f"{path} with --set data.device=cpu: data.resampling_device: gpu")
+    with pytest.raises(ConfigError, match="override 'data.device=tpu': data.device: expected"):
+        load_config(path, ["data.device=tpu"])
+    with pytest.raises(ConfigError, match="override 'data.nope=1': unknown key 'data.nope'"):
+        load_config(path, ["data.nope=1"])
+
+
+def test_rules_that_need_the_device_are_checked_once_it_is_known():
+    cfg = load_config(None, ["training.precision=fp16", "loss.backend=fused"])
+    check_device(cfg, "cuda")
+    with pytest.raises(ConfigError, match="training.precision: fp16 needs a CUDA device"):
+        check_device(cfg, "cpu")
+    cfg.training.precision = "fp32"
+    with pytest.raises(ConfigError, match="loss.backend: fused runs on a CUDA device"):
+        check_device(cfg, "cpu")
+
+
+def test_the_preset_choices_are_the_presets():
+    assert typing.get_args(Preset) == ("", *GBS_PRESETS)
+
+
+def _sections(cls=Config):
+    yield cls
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _sections(tp)
+
+
+def test_every_config_field_is_read_outside_the_config_module():
+    """A knob nothing reads is a dead option: some module of the package (not rnnt/config.py)
+    must read each field as an attribute."""
+    package = Path(config_module.__file__).parent
+    read = set()
+    for path in package.rglob("*.py"):
+        if path == Path(config_module.__file__):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                read.add(node.attr)
+    unread = [
+        f"{cls.KEY}.{f.name}" if cls.KEY else f.name
+        for cls in _sections()
+        for f in dataclasses.fields(cls)
+        if f.name not in read
+    ]
+    assert not unread

@@ -30,7 +30,7 @@ from rnnt.graphs import (
     pad_into,
 )
 from rnnt.model import RNNT
-from tests.unit.test_model import tiny_cfg
+from tests.helpers import tiny_cfg
 
 NO_DROPOUT = dict(enc_dropout=0.0, pred_dropout=0.0, joint_dropout=0.0)
 
@@ -115,14 +115,12 @@ def test_pad_into_matches_f_pad():
         pad_into(torch.zeros(2, 2), torch.zeros(3, 2), 0)
 
 
-@pytest.mark.parametrize(
-    "decoupled,lstm", [(False, "cudnn"), (True, "cudnn"), (False, "wave")]
-)  # fmt: skip
-def test_encoder_buckets_give_eager_values_and_gradients(decoupled, lstm):
+@pytest.mark.parametrize("lstm", ["cudnn", "wave"])
+def test_encoder_buckets_give_eager_values_and_gradients(lstm):
     """Pad into a longer, wider bucket, run, slice: the eager model's f, f_lens and weight
     gradients, for odd and even lengths (the stack-time tail) and a partial batch."""
     torch.manual_seed(0)
-    cfg = tiny_cfg(decoupled_rnns=decoupled, encoder_lstm=lstm, enc_n_hid=32, **NO_DROPOUT)
+    cfg = tiny_cfg(encoder_lstm=lstm, enc_n_hid=32, **NO_DROPOUT)
     model = RNNT(cfg).double()
     cap_b, feats = 4, model.cfg.in_feats
     buckets = []
@@ -276,14 +274,13 @@ def test_graphs_follow_in_place_weight_updates_and_accumulate_gradients():
 def test_dropout_draws_fresh_masks_at_every_replay():
     # nn.Dropout (philox offsets advanced per replay) and cuDNN's internal LSTM dropout (its
     # state buffer advances in place) must both change between replays of one graph
-    for decoupled in (False, True):
-        model = _gpu_model(enc_dropout=0.5, pred_dropout=0.5, decoupled_rnns=decoupled)
-        graphs = TrainingGraphs(model, 4, 16, 8, 1, torch.float16, "cuda")
-        x, x_lens, y, _ = _batch(model, 4, 16, 8, seed=0)
-        f1 = graphs.encode(x, x_lens)[0].clone()
-        f2 = graphs.encode(x, x_lens)[0].clone()
-        g1, g2 = graphs.predict(y).clone(), graphs.predict(y).clone()
-        assert not torch.equal(f1, f2) and not torch.equal(g1, g2)
+    model = _gpu_model(enc_dropout=0.5, pred_dropout=0.5)
+    graphs = TrainingGraphs(model, 4, 16, 8, 1, torch.float16, "cuda")
+    x, x_lens, y, _ = _batch(model, 4, 16, 8, seed=0)
+    f1 = graphs.encode(x, x_lens)[0].clone()
+    f2 = graphs.encode(x, x_lens)[0].clone()
+    g1, g2 = graphs.predict(y).clone(), graphs.predict(y).clone()
+    assert not torch.equal(f1, f2) and not torch.equal(g1, g2)
     lstm = torch.nn.LSTM(32, 32, num_layers=2, dropout=0.5).cuda().half()
     graphed = torch.cuda.make_graphed_callables(
         lstm, (torch.randn(10, 4, 32, device="cuda").half(),)

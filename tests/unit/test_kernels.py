@@ -13,29 +13,11 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 
 from rnnt.kernels import joint_loss as jl  # noqa: E402
+from rnnt.kernels import joint_loss_kernels as jk  # noqa: E402
 from rnnt.loss import TransducerLoss, rnnt_loss_reference  # noqa: E402
+from tests.helpers import diagonal_major, make_case  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def make_case(lens, u_max, hid, vocab, dtype=torch.float32, seed=0, device=DEVICE):
-    """Random joint inputs for utterances of (T_b, U_b) = lens, padding filled with garbage."""
-    gen = torch.Generator().manual_seed(seed)
-    bsz = len(lens)
-    t_max = max(t for t, _ in lens)
-    f = torch.randn(bsz, t_max, hid, generator=gen)
-    g = torch.randn(bsz, u_max + 1, hid, generator=gen)
-    weight = torch.randn(vocab, hid, generator=gen) / hid**0.5 * 3
-    bias = torch.randn(vocab, generator=gen)
-    targets = torch.randint(0, vocab - 1, (bsz, u_max), generator=gen)
-    for b, (t_len, u_len) in enumerate(lens):
-        f[b, t_len:] = 1e3  # garbage past the lengths must not leak into the loss
-        g[b, u_len + 1 :] = -1e3
-        targets[b, u_len:] = 10**6
-    f_lens = torch.tensor([t for t, _ in lens])
-    target_lens = torch.tensor([u for _, u in lens])
-    leaves = [x.to(device, dtype).requires_grad_(True) for x in (f, g, weight, bias)]
-    return leaves, f_lens.to(device), targets.to(device), target_lens.to(device)
 
 
 def reference(leaves, f_lens, targets, target_lens, keep=None, p=0.0, exact=False):
@@ -117,25 +99,6 @@ def lattice_rows(x, lens, packed):
     if not packed:
         return x.reshape(-1, *x.shape[3:])
     return torch.cat([x[b, :t, : u + 1].reshape(-1, *x.shape[3:]) for b, (t, u) in enumerate(lens)])
-
-
-def diagonal_major(skew_blank, skew_label, lp_blank, lp_label, lens, layout):
-    """Writes (B, T, U+1) transition log-probabilities where the lattice walk reads them: each
-    at the diagonal-major cell its move enters (joint_loss._diagonals)."""
-    align = jl.SKEW_ALIGN.value
-    t_max, u1 = lp_blank.shape[1:]
-    dev = skew_blank.device
-    for b, (t_len, u_len) in enumerate(lens):
-        if layout.packed:
-            first, width = layout.skew_starts[b], (u_len + align) // align * align
-        else:
-            width = (u1 + align - 1) // align * align
-            first = b * (t_max + u1) * width
-        t = torch.arange(t_len, device=dev)[:, None]
-        u = torch.arange(u_len + 1, device=dev)[None, :]
-        cell = first + (t + 1 + u) * width + u  # (t + 1, u); (t, u + 1) is cell + 1
-        skew_blank[cell] = lp_blank[b, :t_len, : u_len + 1]
-        skew_label[cell[:, :u_len] + 1] = lp_label[b, :t_len, :u_len]
 
 
 @ONE_PASS
@@ -395,7 +358,7 @@ def test_stats_from_gemm_partials_equal_the_stats_kernel_s(vocab):
     logits = (torch.randn(n, vocab, generator=gen) * 4).half().to(DEVICE)
     bias = (torch.randn(vocab, generator=gen)).half().to(DEVICE)
     labels = torch.randint(0, vocab, (n + 5,), generator=gen, dtype=torch.int32).to(DEVICE)
-    x = logits.double() * gate_scale * jl._LOG2E.value + bias.double() * jl._LOG2E.value
+    x = logits.double() * gate_scale * jk.LOG2E.value + bias.double() * jk.LOG2E.value
     tiles = x.view(n, -1, 128)
     top = tiles.amax(-1)
     part = torch.stack([top, torch.exp2(tiles - top[..., None]).sum(-1)], -1).float()
@@ -407,12 +370,12 @@ def test_stats_from_gemm_partials_equal_the_stats_kernel_s(vocab):
         lse = torch.full((n + row0,), 9.0, device=DEVICE)
         skb, skl = torch.full((2, 2 * (n + row0) + 2), 9.0, device=DEVICE)
         if name == "partials":
-            jl._stats_from_partials_kernel[(triton.cdiv(n, 16),)](
+            jk.stats_from_partials_kernel[(triton.cdiv(n, 16),)](
                 part, logits, bias, labels, dest, lse, skb, skl, row0, n, vocab, blank,
                 gate_scale, NT=vocab // 128, NTP=triton.next_power_of_2(vocab // 128), BR=16,
             )  # fmt: skip
         else:
-            jl._logit_stats_kernel[(2,)](
+            jk.logit_stats_kernel[(2,)](
                 logits, bias, labels, dest, lse, skb, skl, row0, n, vocab, blank, gate_scale,
                 BR=4, BN=triton.next_power_of_2(vocab), EVEN=vocab == 1024, STAGES=1,
             )  # fmt: skip
@@ -583,7 +546,8 @@ def test_gpu_longest_mlperf_shape_and_batch_512():
 
 
 @pytest.mark.gpu
-def test_gpu_memory_at_192_204_44_fp16_and_time_target(record_property):
+def test_gpu_memory_at_192_204_44_fp16(record_property):
+    """At most 2 GB beyond the inputs; the time target is bench/joint_loss.py's to report."""
     bsz, t_max, u_max = 192, 204, 44
     leaves, f_lens, targets, target_lens = make_case(
         [(t_max, u_max)] * bsz, u_max, 512, 1024, dtype=torch.float16
@@ -600,22 +564,12 @@ def test_gpu_memory_at_192_204_44_fp16_and_time_target(record_property):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
+    for _ in range(3):
         step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    median_ms = sorted(times)[len(times) // 2]
-    print(f"fused fwd+bwd (192, 204, 44) fp16: {median_ms:.2f} ms, {extra / 2**30:.3f} GiB extra")
-    record_property("median_ms", median_ms)
     record_property("extra_gib", extra / 2**30)
-    assert extra <= 2e9  # issue 7: at most 2 GB
-    if median_ms > 12.0:
-        pytest.xfail(f"issue 7 targets <= 12 ms on an H200; measured {median_ms:.1f} ms")
+    assert extra <= 2e9
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

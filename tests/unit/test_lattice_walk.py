@@ -15,7 +15,8 @@ import triton  # noqa: E402
 
 from rnnt.kernels import cuda_build, lattice_walk  # noqa: E402
 from rnnt.kernels import joint_loss as jl  # noqa: E402
-from tests.unit.test_kernels import diagonal_major  # noqa: E402
+from rnnt.kernels import joint_loss_kernels as jk  # noqa: E402
+from tests.helpers import diagonal_major, make_case  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -62,7 +63,7 @@ def walk_both(lens, packed, b0, bc, seed=0):
         if cuda:
             lattice_walk.walk(*args, bc, t_max, u1, packed)
         else:
-            jl._lattice_kernel[(bc, 2)](*args, t_max, u1, BLOCK_U=block_u, PACKED=packed,
+            jk.lattice_kernel[(bc, 2)](*args, t_max, u1, BLOCK_U=block_u, PACKED=packed,
                                         HW_LOG2=True, num_warps=jl.LATTICE_WARPS)  # fmt: skip
         out.append((alpha, beta, log_lik))
     return out
@@ -95,8 +96,6 @@ def test_gpu_cuda_walk_equals_the_triton_walk_bitwise(packed, u_max):
 @needs_cuda
 @pytest.mark.gpu
 def test_gpu_fused_loss_is_the_same_with_either_walk(monkeypatch):
-    from tests.unit.test_kernels import make_case
-
     lens = random_lens(24, (5, 120), (0, 40), seed=3)
     u_max = max(u for _, u in lens)
     leaves, f_lens, targets, target_lens = make_case(lens, u_max, 64, 96, dtype=torch.float16)
@@ -125,11 +124,11 @@ def test_gpu_transducer_loss_prepare_builds_the_walk(tmp_path, monkeypatch):
 
     monkeypatch.setenv(cuda_build.CACHE_ENV, str(tmp_path))
     cuda_build.load.cache_clear()
-    lattice_walk.available.cache_clear()
+    lattice_walk.resolve.cache_clear()
     try:
         TransducerLoss("fused", 1023).prepare(Joint(ModelConfig()).cuda().half())
         assert list(tmp_path.glob("lattice_walk-*.so")), "prepare builds the walk"
         assert lattice_walk.available(torch.device("cuda"))
     finally:
         cuda_build.load.cache_clear()
-        lattice_walk.available.cache_clear()
+        lattice_walk.resolve.cache_clear()

@@ -38,7 +38,7 @@ def test_selection_rules_off_hopper():
 def test_the_loss_config_names_a_bad_gemm_and_one_set_for_another_backend():
     from rnnt.config import ConfigError
 
-    with pytest.raises(ConfigError, match="loss.fused_gemm: unknown GEMM 'cutlass'"):
+    with pytest.raises(ConfigError, match="loss.fused_gemm: expected one of .* got 'cutlass'"):
         TransducerLoss("fused", 5, "cutlass")
     with pytest.raises(ConfigError, match="applies to loss.backend fused only"):
         TransducerLoss("reference", 5, "sm90")
@@ -123,7 +123,7 @@ def test_gpu_sm90_is_chosen_for_fp16_and_refused_clearly_otherwise():
 
 
 def fused_loss(leaves, f_lens, targets, target_lens, gemm, host, p, reduction):
-    from rnnt.kernels import fused_joint_loss
+    from rnnt.kernels.joint_loss import fused_joint_loss
 
     leaves = [x.detach().requires_grad_(True) for x in leaves]
     loss = fused_joint_loss(*leaves, f_lens, targets, target_lens, leaves[2].shape[0] - 1, p,
@@ -172,6 +172,7 @@ def test_gpu_transducer_loss_prepare_builds_and_reports_the_sm90_gemm():
     from rnnt.model import Joint
 
     joint = Joint(ModelConfig()).cuda().half()
-    assert TransducerLoss("fused", 1023).prepare(joint)
-    assert not TransducerLoss("fused", 1023, "cublas").prepare(joint)
-    assert not TransducerLoss("fused", 1023).prepare(joint.float())
+    assert "gemm=sm90" in TransducerLoss("fused", 1023).prepare(joint)[0]
+    assert "gemm=cublas" in TransducerLoss("fused", 1023, "cublas").prepare(joint)[0]
+    choice, reason = TransducerLoss("fused", 1023).prepare(joint.float())
+    assert "gemm=cublas" in choice and "fp16 operands" in reason

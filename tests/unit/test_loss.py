@@ -167,7 +167,7 @@ def test_reference_backend_computes_in_float32_for_half_inputs():
 
 
 def test_unknown_backend_names_the_config_key():
-    with pytest.raises(ConfigError, match=r"loss\.backend.*reference, torchaudio, fused, apex"):
+    with pytest.raises(ConfigError, match=r"loss\.backend: expected one of 'reference', 'torch"):
         TransducerLoss("warp", 5)
 
 

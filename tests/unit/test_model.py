@@ -1,36 +1,17 @@
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from rnnt.config import ModelConfig, load_config
 from rnnt.model import RNNT, StackTime, count_parameters
+from tests.helpers import tiny_cfg
 
 BASELINE_PARAMS = 49_071_616
 
 
-def tiny_cfg(**kw) -> ModelConfig:
-    base = dict(
-        n_classes=12,
-        in_feats=16,
-        enc_n_hid=24,
-        enc_pre_rnn_layers=2,
-        enc_post_rnn_layers=2,
-        pred_n_hid=8,
-        pred_rnn_layers=2,
-        joint_n_hid=20,
-    )
-    base.update(kw)
-    return ModelConfig(**base)
-
-
-@pytest.mark.parametrize("decoupled", [False, True])
-def test_baseline_has_exactly_the_mlperf_parameter_count(repo_root, decoupled):
-    cfg = load_config(
-        repo_root / "configs/baseline_v3-1023sp.yaml",
-        [f"model.decoupled_rnns={str(decoupled).lower()}"],
-    )
+def test_baseline_has_exactly_the_mlperf_parameter_count(repo_root):
+    cfg = load_config(repo_root / "configs/baseline_v3-1023sp.yaml")
     with torch.device("meta"):  # no need to allocate 49M weights to count them
         model = RNNT(cfg.model)
     assert count_parameters(model) == BASELINE_PARAMS
@@ -73,30 +54,6 @@ def test_initialization_rules():
     # non-LSTM layers keep PyTorch defaults
     fc = model.joint.fc
     assert fc.weight.abs().max() > 0.8 / cfg.joint_n_hid**0.5
-
-
-def test_decoupled_rnns_compute_the_same_function():
-    torch.manual_seed(0)
-    coupled = RNNT(tiny_cfg(enc_dropout=0.0, pred_dropout=0.0, joint_dropout=0.0)).eval()
-    decoupled = RNNT(
-        tiny_cfg(decoupled_rnns=True, enc_dropout=0.0, pred_dropout=0.0, joint_dropout=0.0)
-    ).eval()
-    # copy multi-layer weights into per-layer modules
-    src = dict(coupled.named_parameters())
-    with torch.no_grad():
-        for name, p in decoupled.named_parameters():
-            if ".layers." in name and "_l0" in name:
-                prefix, layer, rest = (
-                    name.split(".layers.")[0],
-                    int(name.split(".layers.")[1][0]),
-                    name.rsplit(".", 1)[1],
-                )
-                p.copy_(src[f"{prefix}.layers.0.{rest.replace('_l0', f'_l{layer}')}"])
-            else:
-                p.copy_(src[name])
-    x, lens, y = torch.randn(9, 3, 16), torch.tensor([9, 7, 1]), torch.randint(0, 11, (3, 4))
-    for a, b in zip(coupled(x, lens, y), decoupled(x, lens, y)):
-        torch.testing.assert_close(a, b)
 
 
 def test_stack_time_shapes_and_lengths():

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from rnnt.config import FeaturesConfig
+from rnnt.config import FeaturesConfig, SpecAugmentConfig
 from rnnt.data.synthetic import (
     LengthsTableError,
     SyntheticFeatureSource,
@@ -14,6 +14,12 @@ from rnnt.data.tokenizer import Tokenizer, train_tokenizer
 TRAIN_TSV = "librispeech_train-clean-5_lengths.tsv"
 DEV_TSV = "librispeech_dev-clean_lengths.tsv"
 WORDS = "the quick brown fox jumps over a lazy dog while zebras quietly vex jack's sphinx".split()
+
+
+def _features(n_mels: int) -> FeaturesConfig:
+    """A few mel bins keep the noise small (the shapes are what is tested); no frequency masks
+    fit in them."""
+    return FeaturesConfig(n_mels=n_mels, spec_augment=SpecAugmentConfig(freq_masks=0))
 
 
 def _write_tsv(path, rows, header="# utterance_id\tduration_s\ttranscript"):
@@ -157,7 +163,7 @@ def test_train_batches_have_real_shapes(lengths_dir, real_tokenizer):
 
 def test_eval_pass_covers_dev_clean_once_with_exact_frames(lengths_dir, real_tokenizer):
     table = read_lengths_table(lengths_dir / DEV_TSV)
-    features = FeaturesConfig(n_mels=1)  # shapes are what is tested; keep the noise small
+    features = _features(1)
     source = SyntheticFeatureSource(
         lengths_dir / DEV_TSV, 512, real_tokenizer, features, train=False
     )
@@ -174,7 +180,7 @@ def test_eval_pass_covers_dev_clean_once_with_exact_frames(lengths_dir, real_tok
 
 def test_determinism_epochs_and_ranks(tmp_path, small_tokenizer):
     path, _ = _small_table(tmp_path, n=12)
-    cfg = FeaturesConfig(n_mels=4)
+    cfg = _features(4)
 
     def ids_and_feats(seed, epoch, rank=0, world=1):
         src = SyntheticFeatureSource(
@@ -210,7 +216,7 @@ def test_num_batches_cycles_through_epochs(tmp_path, small_tokenizer):
     path, rows = _small_table(tmp_path, n=10)
     kept = [r for r in rows if r[1] <= 16.7]
     src = SyntheticFeatureSource(
-        path, 2, small_tokenizer, FeaturesConfig(n_mels=2), train=True, num_batches=7, seed=0
+        path, 2, small_tokenizer, _features(2), train=True, num_batches=7, seed=0
     )
     per_epoch = len(kept) // 2
     got = [b.utt_ids for b in src]
@@ -225,10 +231,8 @@ def test_num_batches_cycles_through_epochs(tmp_path, small_tokenizer):
 def test_other_vocab_size_gives_random_ids_of_real_lengths(tmp_path, small_tokenizer):
     path, _ = _small_table(tmp_path)
     kwargs = dict(train=False, seed=0)
-    real = SyntheticFeatureSource(path, 10, small_tokenizer, FeaturesConfig(n_mels=2), **kwargs)
-    rand = SyntheticFeatureSource(
-        path, 10, small_tokenizer, FeaturesConfig(n_mels=2), vocab_size=7, **kwargs
-    )
+    real = SyntheticFeatureSource(path, 10, small_tokenizer, _features(2), **kwargs)
+    rand = SyntheticFeatureSource(path, 10, small_tokenizer, _features(2), vocab_size=7, **kwargs)
     (a,), (b,) = list(real), list(rand)
     assert torch.equal(a.token_lens, b.token_lens)
     valid = torch.arange(b.tokens.shape[1]) < b.token_lens[:, None]

@@ -1,4 +1,5 @@
-"""SentencePiece tokenizer of SPEC.md and scripts/train_tokenizer.py, on small text sets."""
+"""SentencePiece tokenizer of docs/SPEC.md "Tokenizer" and scripts/train_tokenizer.py, on
+small text sets."""
 
 import json
 import subprocess

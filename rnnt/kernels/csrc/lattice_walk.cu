@@ -1,6 +1,6 @@
 // The fused loss's lattice walk in CUDA C++: alpha, beta and log P of a chunk's utterances,
-// the same arithmetic as rnnt/kernels/joint_loss.py's Triton `_lattice_kernel` (bitwise the
-// same outputs), which stays the reference and the fallback.
+// the same arithmetic as rnnt/kernels/joint_loss_kernels.py's Triton `lattice_kernel` (bitwise
+// the same outputs), which stays the reference and the fallback.
 //
 // Why: the walk is a chain of T_b + U_b dependent steps per utterance, one warp each, so its
 // time is the latency of one step. With diagonal-major inputs (the stats kernels store them
