@@ -56,7 +56,7 @@ if [ -f /tmp/dali_parts/SHA256SUMS ] && [ ! -d /tmp/dali_site ]; then
   fi
 fi
 if [ -d /tmp/dali_site ]; then export PYTHONPATH=/tmp/dali_site:$PYTHONPATH; fi
-# espeak-ng from Debian packages (../shared/tools/espeak-debs.sh made .carry/debs)
+# espeak-ng from Debian packages (bench/espeak_debs.sh made .carry/debs)
 if [ -d .carry/debs ] && ! command -v espeak-ng >/dev/null; then
   [ -d /tmp/esp ] || for f in .carry/debs/*.deb; do dpkg -x "$f" /tmp/esp; done
   lib=/tmp/esp/usr/lib/x86_64-linux-gnu
