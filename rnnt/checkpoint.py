@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rnnt.errors import UserError
+
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^ckpt_e(\d+)_s(\d+)$")
@@ -41,7 +43,7 @@ _TMP_SUFFIX = ".tmp"
 COMPLETE = "complete.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """Checkpoints exist but none of them can be loaded, or one could not be written."""
 
 
@@ -118,23 +120,30 @@ class Checkpoint:
         return sorted(self.record["files"])
 
     def verify(self, name: str) -> None:
-        """Raise ValueError when `name`'s file is missing, truncated or altered."""
+        """Raise CheckpointError when `name`'s file is missing, truncated or altered."""
         entry = self.record["files"].get(name)
         if entry is None:
-            raise ValueError(f"{self.path.name} has no file '{name}'")
+            raise CheckpointError(f"{self.path.name} has no file '{name}'")
         path = self.path / f"{name}.pt"
         if not path.is_file():
-            raise ValueError(f"{path} is missing")
+            raise CheckpointError(f"{path} is missing")
         size = path.stat().st_size
         if size != entry["size"]:
-            raise ValueError(f"{path}: size {size} bytes, but {entry['size']} were written")
+            raise CheckpointError(f"{path}: size {size} bytes, but {entry['size']} were written")
         if _sha256_file(path) != entry["sha256"]:
-            raise ValueError(f"{path}: SHA-256 differs from the one recorded at save (corrupted)")
+            raise CheckpointError(
+                f"{path}: SHA-256 differs from the one recorded at save (corrupted)"
+            )
 
     def load(self, name: str, map_location=None, verified: bool = False) -> dict:
         if not verified:
             self.verify(name)
-        return torch.load(self.path / f"{name}.pt", map_location=map_location, weights_only=True)
+        path = self.path / f"{name}.pt"
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as err:  # a damaged archive or pickle raises many types
+            reason = f"{type(err).__name__}: {err}".splitlines()[0]
+            raise CheckpointError(f"{path}: cannot be read ({reason})") from None
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:

@@ -17,10 +17,12 @@ from typing import Any
 
 import yaml
 
+from rnnt.errors import UserError
+
 LENGTHS_DIR = Path(__file__).resolve().parent / "data" / "lengths"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem, with a message that names the key and its source."""
 
 

@@ -20,7 +20,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rnnt.errors import UserError
 from rnnt.seeds import draw_seed
+
+
+class DeviceError(UserError, RuntimeError):
+    """The device asked for is not on this machine."""
 
 
 @dataclass
@@ -74,7 +79,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistCont
     rank, world_size, local_rank = _launcher_env()
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' requested but no CUDA device is available")
+        raise DeviceError("--device cuda: this machine has no CUDA device (use --device cpu)")
     if use_cuda:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)

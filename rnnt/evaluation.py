@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from rnnt.checkpoint import open_checkpoint
+from rnnt.checkpoint import CheckpointError, open_checkpoint
 from rnnt.config import Config, ConfigError
 from rnnt.data.augment import BatchTransform
 from rnnt.data.loader import build_loader
@@ -113,7 +113,7 @@ def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str =
     directory, or its model.pt) into it."""
     path = Path(checkpoint)
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise CheckpointError(f"checkpoint not found: {path}")
     state = open_checkpoint(path).load("model", map_location="cpu")
     dtype = DTYPES[cfg.training.precision] if ctx.device.type == "cuda" else torch.float32
     model = RNNT(cfg.model).to(ctx.device)
@@ -121,7 +121,7 @@ def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str =
         saved = state["ema"]["weights"]
         params = list(model.parameters())
         if len(saved) != len(params) or any(a.shape != b.shape for a, b in zip(saved, params)):
-            raise ValueError(f"{path}: its EMA weights do not fit the model of this config")
+            raise CheckpointError(f"{path}: its EMA weights do not fit the model of this config")
         with torch.no_grad():
             for p, w in zip(params, saved):
                 p.copy_(w)
@@ -130,7 +130,7 @@ def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str =
             model.load_state_dict(state["model"])
         except RuntimeError as err:
             first = str(err).splitlines()[0]
-            raise ValueError(
+            raise CheckpointError(
                 f"{path}: weights do not fit the model of this config: {first}"
             ) from None
     model.to(dtype).eval()

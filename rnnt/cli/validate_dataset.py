@@ -12,9 +12,11 @@ import argparse
 import os
 import sys
 
-from rnnt.data.validate import DatasetError, Report, validate_split
+from rnnt.data.validate import Report, validate_split
+from rnnt.errors import reports_user_errors
 
 
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dataset-dir", required=True)
@@ -26,19 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     total = Report()
-    try:
-        for split in args.splits:
-            _, report = validate_split(
-                args.dataset_dir,
-                split,
-                full_decode=args.full_decode,
-                workers=args.workers,
-                progress=not args.no_progress,
-            )
-            total.merge(report)
-    except DatasetError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    for split in args.splits:
+        _, report = validate_split(
+            args.dataset_dir,
+            split,
+            full_decode=args.full_decode,
+            workers=args.workers,
+            progress=not args.no_progress,
+        )
+        total.merge(report)
     for problem in total.problems:
         print(problem)
     print(total.summary())

@@ -71,11 +71,13 @@ def resolve_backend(name: str) -> str:
             "rnnt.data.synthetic.SyntheticFeatureSource from the lengths tables instead"
         )
     if name not in BACKENDS:
-        raise ValueError(f"data.backend = {name!r}: expected one of {', '.join(BACKENDS)}")
+        raise ConfigError(
+            f"data.backend = {name!r}: expected one of {', '.join(BACKENDS)} or synthetic"
+        )
     if name == "auto":
         return "dali" if dali_available() else "torch"
     if name == "dali" and not dali_available():
-        raise RuntimeError(
+        raise ConfigError(
             "data.backend = dali but nvidia.dali is not importable: install "
             "nvidia-dali-cuda120/130 or set data.backend to torch (or auto)"
         )
@@ -226,7 +228,6 @@ class TorchFeatureLoader:
         seed: int,
     ) -> None:
         data = cfg.data
-        _check_devices(data.device, data.resampling_device)
         self.device = device
         self.assembler = assembler
         self.on_device = data.device == "gpu"
@@ -298,9 +299,9 @@ def _one_thread(_worker_id: int) -> None:
 def _check_devices(device: str, resampling_device: str) -> None:
     for key, value in (("data.device", device), ("data.resampling_device", resampling_device)):
         if value not in ("cpu", "gpu"):
-            raise ValueError(f"{key} = {value!r}: expected cpu or gpu")
+            raise ConfigError(f"{key} = {value!r}: expected cpu or gpu")
     if resampling_device == "gpu" and device == "cpu":
-        raise ValueError("data.resampling_device = gpu needs data.device = gpu")
+        raise ConfigError("data.resampling_device = gpu needs data.device = gpu")
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,6 +381,7 @@ def build_loader(
     if not utts:
         raise ValueError("build_loader: no utterances (empty manifest?)")
     backend = resolve_backend(cfg.data.backend)
+    _check_devices(cfg.data.device, cfg.data.resampling_device)
     device = torch.device(device)
     durations = [u.duration for u in utts]
     # evaluation's one random draw (dither) is the same in every run, so that eval.py scores a

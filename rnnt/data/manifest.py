@@ -30,11 +30,12 @@ from rnnt.data.validate import (
     parallel_map,
     validate_split,
 )
+from rnnt.errors import UserError
 
 _FIELDS = {"utt_id", "audio", "duration", "transcript", "tokens"}
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError, ValueError):
     """A malformed manifest; the message names the file and line."""
 
 

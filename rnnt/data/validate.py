@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import soundfile as sf
 
 from rnnt.data.text import invalid_characters, normalize_transcript
+from rnnt.errors import UserError
 
 AUDIO_SUFFIXES = (".flac", ".wav")
 TRANSCRIPT_SUFFIX = ".trans.txt"
@@ -53,7 +54,7 @@ PROBLEM_KINDS = {
 TOO_LONG = "longer_than_max_duration"
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """The dataset cannot be processed at all, or has problems in strict mode."""
 
 

@@ -16,7 +16,7 @@ import soundfile as sf
 import torch
 
 import rnnt.data.dali as dali_module
-from rnnt.config import Config
+from rnnt.config import Config, ConfigError
 from rnnt.data.features import AudioFileError, FeatureExtractor, read_audio
 from rnnt.data.loader import build_loader, resolve_backend
 from rnnt.data.manifest import Utterance, read_manifest
@@ -65,14 +65,14 @@ def _batches(loader) -> list:
 
 
 def test_backend_resolution(monkeypatch):
-    with pytest.raises(ValueError, match="data.backend = 'kaldi'"):
+    with pytest.raises(ConfigError, match="data.backend = 'kaldi'"):
         resolve_backend("kaldi")
     with pytest.raises(ValueError, match="data.backend = synthetic"):
         resolve_backend("synthetic")
     assert resolve_backend("torch") == "torch"
     monkeypatch.setattr(dali_module, "DALI_AVAILABLE", False)
     assert resolve_backend("auto") == "torch"
-    with pytest.raises(RuntimeError, match="data.backend = dali but nvidia.dali is not"):
+    with pytest.raises(ConfigError, match="data.backend = dali but nvidia.dali is not"):
         resolve_backend("dali")
     monkeypatch.setattr(dali_module, "DALI_AVAILABLE", True)
     assert resolve_backend("auto") == "dali"
