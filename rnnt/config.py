@@ -103,6 +103,9 @@ class DataConfig:
     device: str = "gpu"  # feature stage: cpu | gpu
     resampling_device: str = "cpu"  # cpu | gpu
     num_threads: int = 4
+    # exclude and count the utterances the preflight finds bad (manifest line, audio path,
+    # tokens) and drop those that cannot be read in training, instead of stopping the run
+    skip_bad: bool = False
     # synthetic backend: utterance lengths sampled from real LibriSpeech length tables (the
     # defaults ship in rnnt/data/lengths)
     synthetic_train_lengths: str = str(LENGTHS_DIR / "librispeech_train-clean-5_lengths.tsv")

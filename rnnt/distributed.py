@@ -184,6 +184,16 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
     return bool(value.item())
 
 
+def same_on_every_rank(value: int, ctx: DistContext) -> bool:
+    """True on every rank when `value` (a 63-bit int) is the same on all of them."""
+    if not ctx.enabled:
+        return True
+    both = torch.tensor([value, -value], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    high, negated_low = both.tolist()
+    return high == -negated_low
+
+
 def agree_on_seed(seed: int | None, ctx: DistContext) -> int:
     """The run's seed: `seed`, or one rank 0 draws from os.urandom, the same on every rank."""
     if seed is not None:

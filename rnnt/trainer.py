@@ -20,16 +20,17 @@ from rnnt.config import Config, ConfigError, preset_global_batch, to_dict
 from rnnt.data.augment import BatchTransform
 from rnnt.data.batch import FeatureBatch
 from rnnt.data.loader import build_loader
-from rnnt.data.manifest import Utterance, read_manifest
+from rnnt.data.manifest import Utterance
+from rnnt.data.preflight import load_tokenizer
 from rnnt.data.sampler import BucketingSampler
 from rnnt.data.synthetic import SyntheticFeatureSource, tokenizer_for_lengths_table
-from rnnt.data.tokenizer import Tokenizer
 from rnnt.distributed import DistContext, agree_on_seed, any_rank, barrier, set_torch_threads
 from rnnt.evaluation import (
     DTYPES,
     EvalResult,
     build_decoder,
     build_eval_loader,
+    checked_inputs,
     detokenizer,
     evaluate,
 )
@@ -111,28 +112,23 @@ class Trainer:
     def _build_data(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         dcfg = cfg.data
-        self.tokenizer = Tokenizer(dcfg.tokenizer) if dcfg.tokenizer else None
-        if self.tokenizer is not None and self.tokenizer.vocab_size + 1 != cfg.model.n_classes:
-            raise ConfigError(
-                f"model.n_classes={cfg.model.n_classes} but tokenizer {dcfg.tokenizer} has "
-                f"{self.tokenizer.vocab_size} pieces (n_classes must be pieces + 1 for blank)"
-            )
         self.global_batch = (
             cfg.training.batch_size * cfg.training.grad_accumulation * ctx.world_size
         )
         check_system(cfg, ctx.world_size, self.global_batch)
         if dcfg.backend == "synthetic":
+            self.tokenizer = load_tokenizer(dcfg.tokenizer, cfg.model.n_classes)
             self._build_synthetic_data()
             return
-        train_utts = []
-        for path in dcfg.train_manifests:
-            train_utts += read_manifest(path, dcfg.dataset_dir)
-        kept = [u for u in train_utts if u.duration <= dcfg.max_duration]
-        self.dropped_long = len(train_utts) - len(kept)
+        checked = checked_inputs(cfg, ctx, train=True)
+        self.log.info(checked.summary())
+        for problem in checked.problems:
+            self.log.info(f"excluded: {problem}")
+        self.tokenizer = checked.tokenizer
+        kept = [u for u in checked.train if u.duration <= dcfg.max_duration]
+        self.dropped_long = len(checked.train) - len(kept)
         self.train_utts = kept
-        self.val_utts = []
-        for path in dcfg.val_manifests:
-            self.val_utts += read_manifest(path, dcfg.dataset_dir)
+        self.val_utts = checked.val
         if not self.train_utts:
             raise ConfigError(f"data.train_manifests {dcfg.train_manifests}: no utterances")
         if len(self.train_utts) < self.global_batch:

@@ -72,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = init_distributed(args.device)
     setup = load_for_eval(cfg, args.checkpoint, ctx, weights=args.weights)
+    if ctx.is_main:
+        print(setup.inputs.summary())
+        for problem in setup.inputs.problems:
+            print(f"excluded: {problem}")
     result = score(setup, ctx)
     output = Path(args.output) if args.output else Path(args.checkpoint).with_suffix(".hyps.jsonl")
     if ctx.is_main:

@@ -101,14 +101,14 @@ class BatchAssembler:
     def tokens(self, utt: Utterance) -> list[int]:
         if utt.tokens is not None:
             return utt.tokens
+        if not self.train:
+            return []  # scoring reads the transcripts: no out-of-vocabulary stop mid-evaluation
         if self.tokenizer is not None:
             return self.tokenizer.encode(utt.transcript, utt.utt_id)
-        if self.train:
-            raise ValueError(
-                f"utterance {utt.utt_id}: the manifest has no 'tokens' and no tokenizer was "
-                "given (build the manifest with --tokenizer or set data.tokenizer)"
-            )
-        return []
+        raise ValueError(
+            f"utterance {utt.utt_id}: the manifest has no 'tokens' and no tokenizer was "
+            "given (build the manifest with --tokenizer or set data.tokenizer)"
+        )
 
     def __call__(
         self,

@@ -79,3 +79,18 @@ def test_checkpoint_of_another_model(capsys, checkpoint):
     assert status == 2 and err == [
         f"error: {path}: its EMA weights do not fit the model of this config"
     ]
+
+
+def test_missing_dev_audio_is_found_before_the_checkpoint_loads(
+    capsys, checkpoint, tmp_path, corpus
+):
+    sets, path = checkpoint
+    dev = tmp_path / "dev.jsonl"
+    record = json.loads((corpus["root"] / "dev.jsonl").read_text().splitlines()[0])
+    dev.write_text(json.dumps({**record, "audio": "dev/gone.flac"}) + "\n")
+    status, err = evaluate(capsys, tmp_path / "no-checkpoint-here", *sets, "--manifest", dev)
+    assert status == 2 and err == [
+        f"error: {dev}:1: utterance {record['utt_id']}: audio file not found: "
+        f"{corpus['root']}/dev/gone.flac; fix it, or set data.skip_bad=true to exclude such "
+        "utterances"
+    ]

@@ -3,6 +3,8 @@ line or key, with exit status 2 and no traceback."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,78 @@ def test_output_dir_that_cannot_be_created(capsys, tiny_sets, tmp_path):
 def test_cuda_on_a_machine_without_it(capsys, tiny_sets, tmp_path):
     line = one_line_error(capsys, "--device", "cuda", *tiny_sets(tmp_path / "out"))
     assert line == "error: --device cuda: this machine has no CUDA device (use --device cpu)"
+
+
+def with_lines(corpus: dict, out: Path, name: str, *records: dict) -> Path:
+    """A copy of the corpus manifest `name` with `records` appended."""
+    manifest = out / f"{name}.jsonl"
+    lines = (corpus["root"] / f"{name}.jsonl").read_text().splitlines()
+    manifest.write_text("\n".join([*lines, *map(json.dumps, records)]) + "\n")
+    return manifest
+
+
+def test_preflight_lists_every_bad_utterance_before_training(capsys, tiny_sets, tmp_path, corpus):
+    first = json.loads((corpus["root"] / "train.jsonl").read_text().splitlines()[0])
+    os.symlink("/etc/passwd", corpus["root"] / "passwd.flac")
+    try:
+        train_manifest = with_lines(
+            corpus, tmp_path, "train",
+            {**first, "utt_id": "gone", "audio": "train/gone.flac"},
+            {**first, "utt_id": "big", "tokens": [3, 999, 4]},
+            {**first, "utt_id": "passwd", "audio": "passwd.flac"},
+        )  # fmt: skip
+        dev = json.loads((corpus["root"] / "dev.jsonl").read_text().splitlines()[0])
+        dev_manifest = with_lines(
+            corpus, tmp_path, "dev", {**dev, "utt_id": "x", "audio": "x.flac"}
+        )
+        status = main(
+            [
+                str(TINY),
+                *tiny_sets(
+                    tmp_path / "out",
+                    f"data.train_manifests=[{train_manifest}]",
+                    f"data.val_manifests=[{dev_manifest}]",
+                ),
+            ]
+        )
+    finally:
+        (corpus["root"] / "passwd.flac").unlink()
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    root = corpus["root"]
+    assert status == 2 and "Traceback" not in captured.err
+    assert lines[0] == (
+        f"error: {train_manifest}:49: utterance gone: audio file not found: {root}/train/gone.flac"
+    )
+    assert lines[1].startswith(f"{train_manifest}:50: utterance big: token id 999 is outside")
+    assert lines[2] == (
+        f"{train_manifest}:51: utterance passwd: {root}/passwd.flac resolves to /etc/passwd, "
+        f"outside the dataset root {root}"
+    )
+    assert lines[3].startswith(f"{dev_manifest}:13: utterance x: audio file not found")
+    assert lines[4].startswith("preflight: 4 problems (2 audio file not found, 1 audio outside")
+    assert "epoch 1 step" not in captured.out  # not one training step
+
+
+def test_skip_bad_trains_on_the_rest_and_counts(capsys, tiny_sets, tmp_path, corpus):
+    first = json.loads((corpus["root"] / "train.jsonl").read_text().splitlines()[0])
+    manifest = with_lines(
+        corpus, tmp_path, "train",
+        {**first, "utt_id": "gone", "audio": "train/gone.flac"},
+        {**first, "utt_id": "big", "tokens": [3, 999, 4]},
+    )  # fmt: skip
+    dev = tmp_path / "dev.jsonl"  # two utterances: the evaluation is not what is tested
+    dev.write_text("".join((corpus["root"] / "dev.jsonl").read_text().splitlines(True)[:2]))
+    sets = tiny_sets(
+        tmp_path / "out", f"data.train_manifests=[{manifest}]", f"data.val_manifests=[{dev}]",
+        "data.skip_bad=true",
+    )  # fmt: skip
+    status = main([str(TINY), *sets])
+    out = capsys.readouterr().out
+    assert status == 1  # trained, the target not reached
+    assert (
+        "(48 train, 2 dev kept); 2 excluded by data.skip_bad: 1 audio file not found, "
+        "1 token id outside the model's classes" in out
+    )
+    assert f"excluded: {manifest}:49: utterance gone" in out
+    assert "epoch 1 step 6 " in out
