@@ -24,7 +24,14 @@ from rnnt.data.manifest import Utterance
 from rnnt.data.preflight import load_tokenizer
 from rnnt.data.sampler import BucketingSampler
 from rnnt.data.synthetic import SyntheticFeatureSource, tokenizer_for_lengths_table
-from rnnt.distributed import DistContext, agree_on_seed, any_rank, barrier, set_torch_threads
+from rnnt.distributed import (
+    DistContext,
+    agree_on_seed,
+    all_reduce_sum,
+    any_rank,
+    barrier,
+    set_torch_threads,
+)
 from rnnt.evaluation import (
     DTYPES,
     EvalResult,
@@ -457,8 +464,18 @@ class Trainer:
             loss_scale=scale,
             skipped_steps=int(skipped_total),
             window=window,
+            dropped_utterances=self._dropped_utterances(),
         )
         self._check_nonfinite(int(in_a_row))
+
+    def _dropped_utterances(self) -> int | None:
+        """Under data.skip_bad: the utterances every rank's batches have left out so far
+        because their audio could not be read (a collective); None otherwise."""
+        if not self.cfg.data.skip_bad:
+            return None
+        mine = getattr(self.train_loader, "dropped_utterances", 0)  # synthetic batches: none
+        count = torch.tensor([float(mine)], device=self.ctx.device)
+        return int(all_reduce_sum(count, self.ctx).item())
 
     def train_epoch(self) -> None:
         cfg, ctx = self.cfg, self.ctx

@@ -166,7 +166,8 @@ def _to_torch(tensor_list, device: torch.device) -> torch.Tensor:
 class DaliFeatureIterator:
     """Iterates FeatureBatches of one epoch of `batches` (lists of dataset indices).
 
-    `read_batch(indices, epoch, batch_no)` returns (encoded arrays, speeds); `finish(indices,
+    `read_batch(indices, epoch, batch_no)` returns (the indices it could read, their encoded
+    arrays, their speeds); `finish(indices,
     feats, lens)` builds the FeatureBatch; `diagnose(indices)` names a bad file in a batch
     DALI failed on. All three come from `rnnt.data.loader`, which owns file and token access.
     """
@@ -176,7 +177,7 @@ class DaliFeatureIterator:
         cfg: FeaturesConfig,
         train: bool,
         batches,
-        read_batch: Callable[[Sequence[int], int, int], tuple[list, list]],
+        read_batch: Callable[[Sequence[int], int, int], tuple[list[int], list, list]],
         finish: Callable[[Sequence[int], torch.Tensor, torch.Tensor], FeatureBatch],
         diagnose: Callable[[Sequence[int], Exception], Exception],
         max_batch_size: int,
@@ -214,8 +215,8 @@ class DaliFeatureIterator:
                 epoch = owner.epoch
                 start = getattr(owner.batches, "batches_done", 0)
                 for batch_no, indices in enumerate(owner.batches, start=start):
-                    owner._pending.append(indices)
-                    encoded, speeds = owner._read_batch(indices, epoch, batch_no)
+                    kept, encoded, speeds = owner._read_batch(indices, epoch, batch_no)
+                    owner._pending.append(kept)
                     yield encoded, [np.float32(s) for s in speeds]
 
         return _Epoch()

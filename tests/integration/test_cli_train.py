@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rnnt.cli.train import main
+from rnnt.run_log import METRICS_FILE, read_metrics
 
 TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 
@@ -146,13 +147,49 @@ def test_preflight_lists_every_bad_utterance_before_training(capsys, tiny_sets, 
     assert "epoch 1 step" not in captured.out  # not one training step
 
 
-def test_skip_bad_trains_on_the_rest_and_counts(capsys, tiny_sets, tmp_path, corpus):
+@pytest.fixture
+def garbage(corpus):
+    """An audio file inside the corpus that passes the preflight (a non-empty file) but does
+    not decode, as a file corrupted after validation would."""
+    path = corpus["root"] / "garbage.flac"
+    path.write_bytes(b"fLaC" + bytes(range(256)) * 8)
+    yield path
+    path.unlink()
+
+
+def corrupted_train_manifest(corpus: dict, out: Path, garbage: Path) -> Path:
+    """The train manifest with its 5th utterance's audio replaced by `garbage`."""
+    records = [json.loads(r) for r in (corpus["root"] / "train.jsonl").read_text().splitlines()]
+    records[4]["audio"] = garbage.name
+    manifest = out / "train.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return manifest
+
+
+def test_an_unreadable_utterance_in_training_stops_in_one_line(
+    capsys, tiny_sets, tmp_path, corpus, garbage
+):
+    manifest = corrupted_train_manifest(corpus, tmp_path, garbage)
+    line = one_line_error(
+        capsys, *tiny_sets(tmp_path / "out", f"data.train_manifests=[{manifest}]")
+    )
+    assert line.startswith(f"error: {garbage}: cannot decode audio (")
+
+
+def test_skip_bad_trains_on_the_rest_and_counts(
+    capsys, caplog, tiny_sets, tmp_path, corpus, garbage
+):
+    """Bad utterances the preflight finds are excluded before training; one that cannot be
+    decoded is dropped from its batch when it comes, and counted."""
     first = json.loads((corpus["root"] / "train.jsonl").read_text().splitlines()[0])
     manifest = with_lines(
         corpus, tmp_path, "train",
         {**first, "utt_id": "gone", "audio": "train/gone.flac"},
         {**first, "utt_id": "big", "tokens": [3, 999, 4]},
     )  # fmt: skip
+    lines = manifest.read_text().splitlines(True)
+    lines[4] = json.dumps({**json.loads(lines[4]), "audio": garbage.name}) + "\n"
+    manifest.write_text("".join(lines))
     dev = tmp_path / "dev.jsonl"  # two utterances: the evaluation is not what is tested
     dev.write_text("".join((corpus["root"] / "dev.jsonl").read_text().splitlines(True)[:2]))
     sets = tiny_sets(
@@ -160,11 +197,16 @@ def test_skip_bad_trains_on_the_rest_and_counts(capsys, tiny_sets, tmp_path, cor
         "data.skip_bad=true",
     )  # fmt: skip
     status = main([str(TINY), *sets])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
     assert status == 1  # trained, the target not reached
     assert (
         "(48 train, 2 dev kept); 2 excluded by data.skip_bad: 1 audio file not found, "
-        "1 token id outside the model's classes" in out
+        "1 token id outside the model's classes" in captured.out
     )
-    assert f"excluded: {manifest}:49: utterance gone" in out
-    assert "epoch 1 step 6 " in out
+    assert f"excluded: {manifest}:49: utterance gone" in captured.out
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith(f"{garbage}: cannot decode audio (")
+    assert warning.endswith("; dropped from its batch (data.skip_bad)")
+    assert "epoch 1 step 6 " in captured.out
+    last = [r for r in read_metrics(tmp_path / "out" / METRICS_FILE) if r["kind"] == "train"][-1]
+    assert last["step"] == 6 and last["dropped_utterances"] == 1

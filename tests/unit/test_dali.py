@@ -227,6 +227,19 @@ def test_missing_and_corrupt_files_are_named(corpus, tmp_path):
     assert isinstance(err, AudioFileError) and "corrupt.flac" in str(err)
 
 
+def test_skip_bad_drops_a_file_that_cannot_be_read(corpus, tmp_path):
+    """Dropped before DALI sees it, the batch one shorter; a file DALI cannot decode still
+    stops the run (above), since a fed sample cannot be taken out again."""
+    missing = Utterance("gone", str(tmp_path / "gone.flac"), 1.0, "gone")
+    cfg = _cfg("dali")
+    cfg.data.skip_bad = True
+    cfg.eval.batch_size = 4  # one batch
+    loader = build_loader(cfg, [*corpus[:3], missing], train=False)
+    (batch,) = list(loader)
+    assert sorted(batch.utt_ids) == sorted(u.utt_id for u in corpus[:3])
+    assert batch.feats.shape[0] == 3 and loader.dropped_utterances == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("resampling_device", ["cpu", "gpu"])
 def test_dali_gpu_matches_cpu(corpus, resampling_device):
