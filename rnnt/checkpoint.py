@@ -156,13 +156,34 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(directory, record)
 
 
+def checkpoint_dirs(directory: str | Path) -> list[Path]:
+    """Every checkpoint directory in `directory` (complete or not), newest first."""
+    return [path for _, _, path in _directories(Path(directory))]
+
+
+def _directories(directory: Path) -> list[tuple[int, int, Path]]:
+    """(step, epoch, path) of every checkpoint directory, newest first."""
+    try:
+        entries = list(directory.iterdir())
+    except (FileNotFoundError, NotADirectoryError):  # none yet, or deleted under our feet
+        return []
+    found = []
+    for path in entries:
+        match = _NAME.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(2)), int(match.group(1)), path))
+    return sorted(found, reverse=True)
+
+
 class CheckpointManager:
     """Saves and finds checkpoints in `directory`; every rank makes one and calls `save` at the
     same points of the run.
 
     Retention (rank 0, after each complete save): the `keep_last` newest checkpoints, plus
     (keep_best) the one with the lowest WER among those saved with a WER, which is never
-    deleted; unfinished directories older than the newest complete one go too.
+    deleted; unfinished directories older than the newest complete one go too. With a
+    `run_id`, every save records it and retention counts and deletes only that run's
+    checkpoints: another run's are never touched.
     """
 
     def __init__(
@@ -173,6 +194,7 @@ class CheckpointManager:
         rank: int = 0,
         world_size: int = 1,
         commit_timeout_s: float = 600.0,
+        run_id: str | None = None,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"CheckpointManager: keep_last must be >= 1, got {keep_last}")
@@ -182,26 +204,16 @@ class CheckpointManager:
         self.rank = rank
         self.world_size = world_size
         self.commit_timeout_s = commit_timeout_s
+        self.run_id = run_id
         self._saves = 0
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
 
     # ------------------------------------------------------------------------------ listing
-    def _directories(self) -> list[tuple[int, int, Path]]:
-        """(step, epoch, path) of every checkpoint directory, newest first."""
-        if not self.directory.is_dir():
-            return []
-        found = []
-        for path in self.directory.iterdir():
-            match = _NAME.match(path.name)
-            if match and path.is_dir():
-                found.append((int(match.group(2)), int(match.group(1)), path))
-        return sorted(found, reverse=True)
-
     def complete(self) -> list[Checkpoint]:
         """Every complete checkpoint, newest first."""
         out = []
-        for _, _, path in self._directories():
+        for _, _, path in _directories(self.directory):
             record = _read_json(path / COMPLETE)
             if record is not None and "files" in record:
                 out.append(Checkpoint(path, record))
@@ -235,10 +247,12 @@ class CheckpointManager:
         """
         self.wait()
         self._saves += 1
-        token = f"{epoch}:{step}:{self._saves}"
+        token = f"{self.run_id}:{epoch}:{step}:{self._saves}"
         host_files = _to_host(files)
         path = self.directory / f"ckpt_e{epoch}_s{step}"
         record = {"epoch": epoch, "step": step, **(meta or {})}
+        if self.run_id is not None:
+            record["run_id"] = self.run_id
 
         def write() -> None:
             self._write(host_files, path, token, record)
@@ -319,15 +333,26 @@ class CheckpointManager:
             },
         )
 
+    def _of_this_run(self, path: Path) -> bool:
+        """Whether the checkpoint directory `path` was written by this manager's run: its
+        record says so, or, unfinished, one of its sidecars does."""
+        if self.run_id is None:
+            return True
+        record = _read_json(path / COMPLETE)
+        if record is not None:
+            return record.get("meta", {}).get("run_id") == self.run_id
+        tokens = (_read_json(sidecar) or {} for sidecar in path.glob("*.json"))
+        return any(str(entry.get("token", "")).startswith(f"{self.run_id}:") for entry in tokens)
+
     def _retain(self) -> None:
-        complete = self.complete()
+        complete = [c for c in self.complete() if self._of_this_run(c.path)]
         keep = {c.path for c in complete[: self.keep_last]}
         with_wer = [(c.meta["wer"], c.path) for c in complete if c.meta.get("wer") is not None]
         if self.keep_best and with_wer:
             keep.add(min(with_wer)[1])
         newest_step = int(_NAME.match(complete[0].path.name).group(2)) if complete else None
-        for step, _, path in self._directories():
-            if path in keep:
+        for step, _, path in _directories(self.directory):
+            if path in keep or not self._of_this_run(path):
                 continue
             if not (path / COMPLETE).is_file() and (newest_step is None or step >= newest_step):
                 continue  # a save still being written (or newer than every complete one)

@@ -194,14 +194,27 @@ def same_on_every_rank(value: int, ctx: DistContext) -> bool:
     return high == -negated_low
 
 
+def _from_rank0(value: int | None, draw, ctx: DistContext) -> int:
+    """`value`, or the int `draw()` gives on rank 0, the same on every rank."""
+    if value is not None:
+        return value
+    drawn = torch.tensor([draw() if ctx.is_main else 0], dtype=torch.int64, device=ctx.device)
+    if ctx.enabled:
+        dist.broadcast(drawn, src=0)
+    return int(drawn.item())
+
+
 def agree_on_seed(seed: int | None, ctx: DistContext) -> int:
     """The run's seed: `seed`, or one rank 0 draws from os.urandom, the same on every rank."""
-    if seed is not None:
-        return seed
-    value = torch.tensor([draw_seed() if ctx.is_main else 0], dtype=torch.int64, device=ctx.device)
-    if ctx.enabled:
-        dist.broadcast(value, src=0)
-    return int(value.item())
+    return _from_rank0(seed, draw_seed, ctx)
+
+
+def agree_on_run_id(run_id: str | None, ctx: DistContext) -> str:
+    """The run's id: `run_id` (a resumed run's), or 12 hex digits rank 0 draws from
+    os.urandom, the same on every rank."""
+    if run_id is not None:
+        return run_id
+    return f"{_from_rank0(None, lambda: int.from_bytes(os.urandom(6), 'little'), ctx):012x}"
 
 
 def barrier(ctx: DistContext) -> None:

@@ -1,8 +1,10 @@
 """Human-readable training log lines (stdout) and a JSON-lines metrics file, main rank only.
 
-Every `step` / `eval` call prints one line and appends one JSON object to
+Every `run` / `step` / `eval` call prints one line and appends one JSON object to
 `OUTPUT_DIR/metrics.jsonl` (appending, so a resumed run continues the same file):
 
+    {"kind": "run", "time": 1714000000.0, "run_id": "3f9c0a1b22d4", "seed": 1234567,
+     "world_size": 8, "resumed": false}
     {"kind": "train", "time": 1714000000.1, "step": 120, "epoch": 2, "loss": 48.2, "lr": 0.0031,
      "utts_per_s": 1520.4, "step_ms": 126.3, "window_steps": 10, "data_wait_share": 0.01,
      "peak_memory_gib": 61.2, "mfu": 0.212, "loss_scale": 512.0, "skipped_steps": 0}
@@ -75,6 +77,19 @@ class RunLog:
         record.update({k: _json_value(v) for k, v in fields.items()})
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
+
+    def run(self, run_id: str, seed: int, world_size: int, resumed: bool) -> None:
+        """The run's identity, once per process start: its id (in its checkpoints too), its
+        seed, and whether it continues from a checkpoint."""
+        if not self.is_main:
+            return
+        how = "resumed" if resumed else "fresh"
+        self._print(
+            f"run {run_id} ({how}): seed {seed}, {world_size} rank(s) derive theirs from it"
+        )
+        self._record(
+            "run", dict(run_id=run_id, seed=int(seed), world_size=world_size, resumed=resumed)
+        )
 
     def info(self, message: str) -> None:
         if self.is_main:

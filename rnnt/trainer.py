@@ -26,6 +26,7 @@ from rnnt.data.sampler import BucketingSampler
 from rnnt.data.synthetic import SyntheticFeatureSource, tokenizer_for_lengths_table
 from rnnt.distributed import (
     DistContext,
+    agree_on_run_id,
     agree_on_seed,
     all_reduce_sum,
     any_rank,
@@ -75,7 +76,7 @@ class Trainer:
         resume: bool = False,
     ):
         """resume: continue the run of output_dir (`resume()` loads its newest checkpoint);
-        its seed is the saved one unless the config names one."""
+        its run id is the saved one, and so is its seed unless the config names one."""
         self.cfg = cfg
         self.ctx = ctx
         tcfg = cfg.training
@@ -98,14 +99,15 @@ class Trainer:
             world_size=ctx.world_size,
             commit_timeout_s=tcfg.collective_timeout_s,
         )
-        saved_seed = None
-        if resume and tcfg.seed is None:
-            newest = self.checkpoints.complete()
-            saved_seed = newest[0].meta.get("seed") if newest else None
-        tcfg.seed = agree_on_seed(tcfg.seed if tcfg.seed is not None else saved_seed, ctx)
+        newest = self.checkpoints.complete() if resume else []
+        saved = newest[0].meta if newest else {}
+        tcfg.seed = agree_on_seed(tcfg.seed if tcfg.seed is not None else saved.get("seed"), ctx)
+        # one id per run: its checkpoints carry it, and retention deletes only its own
+        self.run_id = agree_on_run_id(saved.get("run_id"), ctx)
+        self.checkpoints.run_id = self.run_id
+        self.log.run(self.run_id, tcfg.seed, ctx.world_size, resumed=bool(newest))
         self.log.info(set_torch_threads(cfg.data.num_threads, tcfg.torch_threads))
         self.seeds = rank_seeds(tcfg.seed, ctx.rank)
-        self.log.info(f"seed {tcfg.seed} ({ctx.world_size} rank(s) derive theirs from it)")
         torch.manual_seed(self.seeds.torch)
         # set by train.py; the loop checks it at its log points
         self.preemption: PreemptionFlag | None = None
@@ -326,6 +328,8 @@ class Trainer:
         self.progress = Progress(int(p["epoch"]), int(p["step"]), float(p["best_wer"]))
         self.sampler.load_state_dict(main["sampler"])
         self.batches_done = int(main["sampler"]["batches_done"])
+        self.run_id = checkpoint.meta.get("run_id", self.run_id)  # older checkpoints have none
+        self.checkpoints.run_id = self.run_id
         self.skipped_total.copy_(main["skipped_total"])
         self.skipped_in_a_row.copy_(main["skipped_in_a_row"])
         own = states.get(f"rank{self.ctx.rank}")
@@ -372,7 +376,7 @@ class Trainer:
             self.state_files(),
             epoch=self.progress.epoch,
             step=self.progress.step,
-            meta={"wer": wer, "seed": self.cfg.training.seed},
+            meta={"wer": wer, "seed": self.cfg.training.seed},  # and the run id
             background=background,
         )
 

@@ -23,10 +23,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="CUDA graphs per network, same as --set training.num_cg=N",
     )
-    parser.add_argument(
+    fresh = parser.add_mutually_exclusive_group()
+    fresh.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest complete checkpoint in output_dir",
+        help="continue the run of output_dir from its newest complete checkpoint",
+    )
+    fresh.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a fresh run in an output_dir that holds another run's checkpoints, "
+        "deleting them (without it, such a run is refused)",
     )
     parser.add_argument(
         "--device",
@@ -71,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = init_distributed(args.device, cfg.training.collective_timeout_s)
     try:
-        out = prepare_output_dir(cfg.training.output_dir)
+        out = prepare_output_dir(
+            cfg.training.output_dir, args.resume, args.overwrite, is_main=ctx.is_main
+        )
         preemption = PreemptionFlag().install()
         log_path = args.mlperf_log or str(out / "mlperf.log")
         if ctx.is_main:
@@ -100,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown(ctx)
     if ctx.is_main:
         print(
-            f"target {'reached' if reached else 'NOT reached'}; "
+            f"run {trainer.run_id}: target {'reached' if reached else 'NOT reached'}; "
             f"MLPerf log: {log_path}; metrics: {out / METRICS_FILE}; "
             f"checkpoints: {out / 'checkpoints'}"
         )

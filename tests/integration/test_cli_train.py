@@ -210,3 +210,33 @@ def test_skip_bad_trains_on_the_rest_and_counts(
     assert "epoch 1 step 6 " in captured.out
     last = [r for r in read_metrics(tmp_path / "out" / METRICS_FILE) if r["kind"] == "train"][-1]
     assert last["step"] == 6 and last["dropped_utterances"] == 1
+
+
+def test_runs_never_mix_in_one_output_dir(capsys, tiny_sets, tmp_path, corpus):
+    out = tmp_path / "out"
+    (out / "checkpoints" / "ckpt_e3_s30").mkdir(parents=True)  # an earlier run's
+    dev = tmp_path / "dev.jsonl"  # two utterances: the evaluation is not what is tested
+    dev.write_text("".join((corpus["root"] / "dev.jsonl").read_text().splitlines(True)[:2]))
+    sets = tiny_sets(out, f"data.val_manifests=[{dev}]", "training.seed=null")
+    assert one_line_error(capsys, *sets) == (
+        f"error: training.output_dir {out} holds 1 checkpoint(s) of an earlier run (newest "
+        "ckpt_e3_s30): continue it with --resume, train into another training.output_dir, or "
+        "pass --overwrite to delete them"
+    )
+    assert main([str(TINY), "--overwrite", *sets]) == 1  # trained: the target not reached
+    printed = capsys.readouterr().out
+    (run,) = [r for r in read_metrics(out / METRICS_FILE) if r["kind"] == "run"]
+    assert f"run {run['run_id']} (fresh): seed {run['seed']}, 1 rank(s)" in printed
+    assert f"run {run['run_id']}: target NOT reached" in printed
+    (checkpoint,) = (out / "checkpoints").iterdir()  # the earlier run's is gone
+    meta = json.loads((checkpoint / "complete.json").read_text())["meta"]
+    assert (meta["run_id"], meta["seed"]) == (run["run_id"], run["seed"])
+    mlperf = (out / "mlperf.log").read_text()
+    assert f'"key": "seed", "value": {run["seed"]},' in mlperf
+
+    assert main([str(TINY), "--resume", *sets]) == 1
+    again = [r for r in read_metrics(out / METRICS_FILE) if r["kind"] == "run"]
+    assert [(r["run_id"], r["seed"], r["resumed"]) for r in again] == [
+        (run["run_id"], run["seed"], False),
+        (run["run_id"], run["seed"], True),
+    ]
