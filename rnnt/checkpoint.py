@@ -10,6 +10,7 @@ rank's sidecar of this save is there, listing every file with its size and hash.
 directory with `complete.json` is a checkpoint; loading checks each file it reads against it,
 and when the newest checkpoint cannot be used on some rank, every rank falls back to the same
 older one (loudly); when none can be used, loading raises rather than let a run start afresh.
+A file whose floating-point tensors hold a NaN or inf counts as damaged too.
 
 A save inside the timed part of a run can go to a background thread: the call returns once the
 state sits in host memory, and the files appear while training goes on. The ranks need no
@@ -140,10 +141,16 @@ class Checkpoint:
             self.verify(name)
         path = self.path / f"{name}.pt"
         try:
-            return torch.load(path, map_location=map_location, weights_only=True)
+            state = torch.load(path, map_location=map_location, weights_only=True)
         except Exception as err:  # a damaged archive or pickle raises many types
             reason = f"{type(err).__name__}: {err}".splitlines()[0]
             raise CheckpointError(f"{path}: cannot be read ({reason})") from None
+        # a file can match its record and still hold NaN weights (bytes flipped before the
+        # hash was taken): training or scoring from them would only produce NaN
+        where = _non_finite(state)
+        if where is not None:
+            raise CheckpointError(f"{path}: {where} holds NaN or inf values (not a sound state)")
+        return state
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -399,6 +406,25 @@ class CheckpointManager:
             f"{len(candidates)} checkpoint(s) in {self.directory} but none can be loaded "
             "(refusing to start from scratch):\n  " + "\n  ".join(problems)
         )
+
+
+def _non_finite(state: Any, key: str = "") -> str | None:
+    """The key of the first floating-point tensor in `state` with a NaN or inf, else None."""
+    if isinstance(state, torch.Tensor):
+        if state.is_floating_point() and not bool(torch.isfinite(state).all()):
+            return key or "the state"
+        return None
+    if isinstance(state, dict):
+        items = ((f"{key}.{k}" if key else str(k), v) for k, v in state.items())
+    elif isinstance(state, (list, tuple)):
+        items = ((f"{key}[{i}]", v) for i, v in enumerate(state))
+    else:
+        return None
+    for sub_key, value in items:
+        where = _non_finite(value, sub_key)
+        if where is not None:
+            return where
+    return None
 
 
 def _to_host(state: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,20 @@ def test_truncated_archive_whose_record_was_rewritten(capsys, checkpoint):
     status, err = evaluate(capsys, path, *sets)
     assert status == 2 and len(err) == 1
     assert err[0].startswith(f"error: {model}: cannot be read (RuntimeError: PytorchStreamReader")
+
+
+def test_checkpoint_with_nan_weights(capsys, tiny_sets, tmp_path):
+    sets = tiny_sets(tmp_path / "run")
+    trainer = Trainer(load_config(TINY, sets[1::2]), CPU)
+    trainer.ema.weights[0][5] = float("nan")
+    path = trainer.save()
+    status, err = evaluate(capsys, path, *sets)
+    assert status == 2 and len(err) == 1
+    assert re.fullmatch(
+        rf"error: {path}/model.pt: ema\.weights\[\d+\] holds NaN or inf values \(not a sound "
+        r"state\)",
+        err[0],
+    )
 
 
 def test_checkpoint_of_another_model(capsys, checkpoint):

@@ -128,6 +128,23 @@ def test_same_size_corruption_is_caught_by_hash(tmp_path, caplog):
     assert "SHA-256" in caplog.text
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_tensors_make_a_checkpoint_unusable(tmp_path, caplog, bad):
+    """Bytes flipped before the hash was taken: the file matches its record, but holds NaN."""
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    save(mgr, 10)
+    files = files_for(20)
+    files["rank0"]["shard"][3] = bad  # an optimizer moment, say
+    mgr.save(files, epoch=2, step=20)
+    with caplog.at_level(logging.ERROR, logger="rnnt.checkpoint"):
+        _, checkpoint = mgr.load_latest(both)
+    assert checkpoint.path.name == "ckpt_e1_s10"
+    assert "ckpt_e2_s20/rank0.pt: shard holds NaN or inf values (not a sound state)" in caplog.text
+    with pytest.raises(CheckpointError, match=r"rank0.pt: shard holds NaN or inf"):
+        open_checkpoint(tmp_path / "ckpt_e2_s20").load("rank0")
+    assert open_checkpoint(tmp_path / "ckpt_e2_s20").load("model")["progress"]["step"] == 20
+
+
 def test_all_corrupt_raises(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=3)
     for step in (10, 20):
