@@ -283,6 +283,7 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(),
                 "rng": capture_rng_state(),
                 "augment_rng": self.augment_generator.get_state(),
+                "loader": self._loader_generators(),
             }
         }
         ema = self._full_ema()
@@ -310,7 +311,9 @@ class Trainer:
         # the loader prefetches: record the batches actually trained, not those handed out
         return self.sampler.state_dict(batches_done=self.batches_done)
 
-    def load_state(self, states: dict[str, dict], checkpoint: Checkpoint) -> None:
+    def load_state(self, states: dict[str, dict], checkpoint: Checkpoint) -> list[str]:
+        """Load a checkpoint's states; returns the reasons the resume is not exact (none: it
+        continues bit for bit as the run that saved it would have)."""
         main = states["model"]
         self.model.load_state_dict(main["model"])
         shards = [v["optimizer"] for k, v in states.items() if k.startswith("rank")]
@@ -332,18 +335,41 @@ class Trainer:
         self.checkpoints.run_id = self.run_id
         self.skipped_total.copy_(main["skipped_total"])
         self.skipped_in_a_row.copy_(main["skipped_in_a_row"])
-        own = states.get(f"rank{self.ctx.rank}")
-        if checkpoint.record.get("world_size") == self.ctx.world_size and own is not None:
+        return self._restore_streams(states.get(f"rank{self.ctx.rank}"), checkpoint)
+
+    def _loader_generators(self) -> dict:
+        """The loader's generator state beyond its position (DALI's dither); none for the
+        synthetic source, which regenerates its batches from (seed, epoch)."""
+        if self.cfg.data.backend == "synthetic":
+            return {}
+        return self.train_loader.generator_state()
+
+    def _restore_streams(self, own: dict | None, checkpoint: Checkpoint) -> list[str]:
+        """Restore this rank's random streams; the reasons the resume is not exact, if any."""
+        not_exact = []
+        saved_world = checkpoint.record.get("world_size")
+        if saved_world == self.ctx.world_size and own is not None:
             self.augment_generator.set_state(own["augment_rng"].cpu())
             restore_rng_state(own["rng"])
+            if own.get("loader"):
+                self.train_loader.load_generator_state(own["loader"])
+            elif self._loader_generators():
+                not_exact.append(
+                    "the checkpoint holds no state of DALI's dither generator (it was written "
+                    "before that was kept): dither restarts from the seed"
+                )
         else:  # another world size: no rank's streams carry over, so derive them afresh
-            self.log.info(
-                f"{checkpoint.path.name} was written by {checkpoint.record.get('world_size')} "
-                f"rank(s); the optimizer state was cut anew for {self.ctx.world_size}, and the "
-                "random streams restart from the seed and the step"
+            not_exact.append(
+                f"it was written by {saved_world} rank(s): the optimizer state was cut anew for "
+                f"{self.ctx.world_size}, and the random streams restart from the seed and the step"
             )
             torch.manual_seed(self.seeds.torch + self.progress.step)
             self.augment_generator.manual_seed(self.seeds.augment + self.progress.step)
+        if self.cfg.data.backend == "synthetic" and self.progress.step % len(self.train_loader):
+            not_exact.append(
+                f"the synthetic backend replays epoch {self.progress.epoch} from its first batch"
+            )
+        return not_exact
 
     def resume(self) -> bool:
         """Load the newest checkpoint of output_dir that every rank can read; False when there
@@ -361,10 +387,11 @@ class Trainer:
         if loaded is None:
             return False
         states, checkpoint = loaded
-        self.load_state(states, checkpoint)
+        not_exact = self.load_state(states, checkpoint)
+        how = f"NOT exact: {'; '.join(not_exact)}" if not_exact else "exact"
         self.log.info(
             f"resumed from {checkpoint.path} at epoch {self.progress.epoch}, "
-            f"step {self.progress.step}"
+            f"step {self.progress.step}; {how}"
         )
         return True
 

@@ -299,6 +299,13 @@ class TorchFeatureLoader:
     def batches(self):
         return self.keyed.batches
 
+    def generator_state(self) -> dict:
+        """Nothing: every random draw is a function of (seed, rank, epoch, batch, slot)."""
+        return {}
+
+    def load_generator_state(self, state: dict) -> None:
+        pass
+
     def set_epoch(self, epoch: int) -> None:
         self.keyed.epoch = epoch
         if hasattr(self.batches, "set_epoch"):
@@ -510,6 +517,14 @@ class SamplerStateLoader:
 
     def __iter__(self) -> Iterator[FeatureBatch]:
         return iter(self.loader)
+
+    def generator_state(self) -> dict:
+        """This rank's pipeline generators that a resume needs beyond the sampler's position
+        (DALI's dither; nothing for the torch backend)."""
+        return self.loader.generator_state()
+
+    def load_generator_state(self, state: dict) -> None:
+        self.loader.load_generator_state(state)
 
     def state_dict(self) -> dict:
         batches = self.loader.batches
