@@ -50,8 +50,10 @@ def build_digits_corpus(root: Path) -> dict:
     dev, _ = build_manifest(root, ["dev"])
     model = train_tokenizer([u.transcript for u in train], root / "tok", 20)
     tok = Tokenizer(model)
-    write_manifest(root / "train.jsonl", tokenize(train, tok))
-    write_manifest(root / "dev.jsonl", tokenize(dev, tok))
+    for name, utts in (("train", train), ("dev", dev)):
+        tokenized, report = tokenize(utts, tok, [u.utt_id for u in utts])
+        assert not report.problems, report.summary()
+        write_manifest(root / f"{name}.jsonl", tokenized)
     return {"root": root, "tokenizer": model}
 
 

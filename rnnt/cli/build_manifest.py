@@ -6,7 +6,8 @@
       --from-manifest M.jsonl --tokenizer T.model --output M-tokens.jsonl
 
 Bad utterances are excluded and listed (every one, with file and line, on stderr and in the
-report file); --strict makes any problem fatal (exit 2).
+report file), and so are transcripts the tokenizer cannot encode without <unk>; --strict makes
+any problem fatal (exit 2).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import argparse
 import os
 import sys
 
-from rnnt.data.manifest import build_manifest, read_manifest, tokenize, write_manifest
+from rnnt.data.manifest import build_manifest, read_manifest_entries, tokenize, write_manifest
 from rnnt.data.tokenizer import Tokenizer
 from rnnt.errors import reports_user_errors
 
@@ -50,9 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_manifest:
         if tokenizer is None:
             ap.error("--from-manifest needs --tokenizer")
-        utts = tokenize(read_manifest(args.from_manifest, args.dataset_dir), tokenizer)
+        entries = read_manifest_entries(args.from_manifest, args.dataset_dir)
+        utts, report = tokenize([u for _, u in entries], tokenizer, [w for w, _ in entries])
+        if args.strict and report.problems:
+            raise report.strict_error(args.from_manifest, "out-of-vocabulary transcripts")
+        for problem in report.problems:
+            print(problem, file=sys.stderr)
         write_manifest(args.output, utts, args.dataset_dir)
         print(f"{args.output}: {len(utts)} utterances with token ids ({args.tokenizer})")
+        print(report.summary())
         return 0
     utts, report = build_manifest(
         args.dataset_dir,

@@ -2,8 +2,9 @@
 
   python scripts/validate_dataset.py --dataset-dir datasets/LibriSpeech --splits dev-clean
 
-Prints every problem as `file[:line]: message` and a summary with counts per problem type;
-exit status 1 with --strict when anything is wrong.
+Prints every problem as `file[:line]: message`, a summary with counts per problem type, and
+last the verdict; exit status 1 with --strict when anything is wrong, 2 when the dataset cannot
+be validated at all (a split that is not there).
 """
 
 from __future__ import annotations
@@ -40,7 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     for problem in total.problems:
         print(problem)
     print(total.summary())
-    return 1 if args.strict and total.problems else 0
+    # the verdict stands last, where a log's tail shows it
+    if not total.problems:
+        print("validation passed: no problems found")
+        return 0
+    if args.strict:
+        print(f"validation FAILED (--strict): {total.excluded} utterances excluded; exit status 1")
+        return 1
+    print(
+        f"validation found problems: {total.excluded} utterances would be excluded "
+        "(--strict makes that exit with status 1)"
+    )
+    return 0
 
 
 if __name__ == "__main__":

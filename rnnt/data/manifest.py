@@ -161,16 +161,22 @@ def _scan_lines(
     return entries, problems
 
 
-def read_manifest(path: str | Path, dataset_dir: str | Path) -> list[Utterance]:
-    """Read and check a manifest; each `audio` comes back as an absolute path under
-    `dataset_dir` (relative entries that climb out of it are errors). Files are not opened.
-    A bad line raises ManifestError naming it (and how many more there are)."""
+def read_manifest_entries(path: str | Path, dataset_dir: str | Path) -> list[tuple[str, Utterance]]:
+    """("file:line", Utterance) of every line of a manifest; a bad line raises ManifestError
+    naming it (and how many more there are)."""
     entries, problems = scan_manifest(path, dataset_dir)
     if problems:
         more = f" (and {len(problems) - 1} more bad lines)" if len(problems) > 1 else ""
         where, message = problems[0]
         raise ManifestError(f"{where}: {message}{more}")
-    return [utt for _, utt in entries]
+    return entries
+
+
+def read_manifest(path: str | Path, dataset_dir: str | Path) -> list[Utterance]:
+    """Read and check a manifest; each `audio` comes back as an absolute path under
+    `dataset_dir` (relative entries that climb out of it are errors). Files are not opened.
+    A bad line raises ManifestError naming it (and how many more there are)."""
+    return [utt for _, utt in read_manifest_entries(path, dataset_dir)]
 
 
 def write_manifest(
@@ -209,13 +215,23 @@ def write_manifest(
         raise
 
 
-def tokenize(utts: Sequence[Utterance], tokenizer: Tokenizer) -> list[Utterance]:
-    """Copies of `utts` with token ids; a transcript that needs <unk> raises TokenizerError."""
-    out = []
-    for u in utts:
-        tokens = tokenizer.encode(u.transcript, u.utt_id)
+def tokenize(
+    utts: Sequence[Utterance], tokenizer: Tokenizer, wheres: Sequence[str]
+) -> tuple[list[Utterance], Report]:
+    """Copies of `utts` with token ids. One whose transcript needs <unk> (out of the
+    vocabulary) is left out and reported at its place in `wheres` ("file:line"), never kept
+    with an <unk> id."""
+    out, report = [], Report()
+    for u, where in zip(utts, wheres):
+        try:
+            tokens = tokenizer.encode(u.transcript, u.utt_id)
+        except TokenizerError as err:
+            reason = str(err).removeprefix(f"utterance {u.utt_id}: ")
+            report.add("out_of_vocabulary", where, reason, u.utt_id)
+            continue
         out.append(Utterance(u.utt_id, u.audio, u.duration, u.transcript, tokens))
-    return out
+    report.kept = len(out)
+    return out, report
 
 
 # ------------------------------------------------------------------------------ WAV conversion
@@ -276,7 +292,8 @@ def build_manifest(
     """Validate `splits` of `dataset_dir` and return their good utterances, sorted by id within
     each split, with audio paths relative to `dataset_dir`.
 
-    Bad utterances are excluded and reported (`strict` raises DatasetError instead). Only when
+    Bad utterances are excluded and reported (`strict` raises DatasetError instead), and so
+    are transcripts the `tokenizer` cannot encode without <unk>. Only when
     `max_duration` is given (train manifests) are longer utterances dropped; they are counted
     in `report.dropped`. `convert_to_wav` writes `<split>-wav/...wav` and points the manifest at
     it; a file that fails to decode there is excluded like any other bad audio.
@@ -297,13 +314,7 @@ def build_manifest(
         report.merge(split_report)
         kept += valid
     if strict and report.problems:
-        shown = "\n".join(str(p) for p in report.problems[:20])
-        more = len(report.problems) - 20
-        raise DatasetError(
-            f"{root}: {len(report.problems)} validation problems (strict mode):\n{shown}"
-            + (f"\n... and {more} more" if more > 0 else "")
-            + f"\n{report.summary()}"
-        )
+        raise report.strict_error(root)
     if max_duration is not None:
         short = []
         for c in kept:
@@ -343,14 +354,11 @@ def build_manifest(
             raise DatasetError(f"{root}: WAV conversion failed (strict mode)\n{report.summary()}")
         pairs = [(c, a) for c, a in zip(kept, converted) if a]
         kept, audio_paths = [c for c, _ in pairs], [a for _, a in pairs]
-    utts = []
-    for c, audio in zip(kept, audio_paths):
-        tokens = None
-        if tokenizer is not None:
-            try:
-                tokens = tokenizer.encode(c.transcript, c.utt_id)
-            except TokenizerError as err:
-                raise TokenizerError(f"{c.where}: {err}") from None
-        utts.append(Utterance(c.utt_id, audio, c.duration, c.transcript, tokens))
+    utts = [Utterance(c.utt_id, a, c.duration, c.transcript) for c, a in zip(kept, audio_paths)]
+    if tokenizer is not None:
+        utts, out_of_vocabulary = tokenize(utts, tokenizer, [c.where for c in kept])
+        report.merge(out_of_vocabulary)
+        if strict and out_of_vocabulary.problems:
+            raise out_of_vocabulary.strict_error(root, "out-of-vocabulary transcripts")
     report.kept = len(utts)
     return utts, report
