@@ -123,7 +123,7 @@ def gpu_stage_ms(loader, transform, batches: int = 10) -> float | None:
     raw = iter(loader.loader.loader)
     times = []
     for _ in range(batches):
-        indices, seed, padded, lens = next(raw)
+        indices, seed, padded, lens, _unreadable = next(raw)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream = torch.cuda.current_stream()
         start.record(stream)

@@ -10,6 +10,7 @@ rank's sidecar of this save is there, listing every file with its size and hash.
 directory with `complete.json` is a checkpoint; loading checks each file it reads against it,
 and when the newest checkpoint cannot be used on some rank, every rank falls back to the same
 older one (loudly); when none can be used, loading raises rather than let a run start afresh.
+A file whose floating-point tensors hold a NaN or inf counts as damaged too.
 
 A save inside the timed part of a run can go to a background thread: the call returns once the
 state sits in host memory, and the files appear while training goes on. The ranks need no
@@ -34,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rnnt.errors import UserError
+
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^ckpt_e(\d+)_s(\d+)$")
@@ -41,7 +44,7 @@ _TMP_SUFFIX = ".tmp"
 COMPLETE = "complete.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """Checkpoints exist but none of them can be loaded, or one could not be written."""
 
 
@@ -118,23 +121,36 @@ class Checkpoint:
         return sorted(self.record["files"])
 
     def verify(self, name: str) -> None:
-        """Raise ValueError when `name`'s file is missing, truncated or altered."""
+        """Raise CheckpointError when `name`'s file is missing, truncated or altered."""
         entry = self.record["files"].get(name)
         if entry is None:
-            raise ValueError(f"{self.path.name} has no file '{name}'")
+            raise CheckpointError(f"{self.path.name} has no file '{name}'")
         path = self.path / f"{name}.pt"
         if not path.is_file():
-            raise ValueError(f"{path} is missing")
+            raise CheckpointError(f"{path} is missing")
         size = path.stat().st_size
         if size != entry["size"]:
-            raise ValueError(f"{path}: size {size} bytes, but {entry['size']} were written")
+            raise CheckpointError(f"{path}: size {size} bytes, but {entry['size']} were written")
         if _sha256_file(path) != entry["sha256"]:
-            raise ValueError(f"{path}: SHA-256 differs from the one recorded at save (corrupted)")
+            raise CheckpointError(
+                f"{path}: SHA-256 differs from the one recorded at save (corrupted)"
+            )
 
     def load(self, name: str, map_location=None, verified: bool = False) -> dict:
         if not verified:
             self.verify(name)
-        return torch.load(self.path / f"{name}.pt", map_location=map_location, weights_only=True)
+        path = self.path / f"{name}.pt"
+        try:
+            state = torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as err:  # a damaged archive or pickle raises many types
+            reason = f"{type(err).__name__}: {err}".splitlines()[0]
+            raise CheckpointError(f"{path}: cannot be read ({reason})") from None
+        # a file can match its record and still hold NaN weights (bytes flipped before the
+        # hash was taken): training or scoring from them would only produce NaN
+        where = _non_finite(state)
+        if where is not None:
+            raise CheckpointError(f"{path}: {where} holds NaN or inf values (not a sound state)")
+        return state
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -147,13 +163,34 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(directory, record)
 
 
+def checkpoint_dirs(directory: str | Path) -> list[Path]:
+    """Every checkpoint directory in `directory` (complete or not), newest first."""
+    return [path for _, _, path in _directories(Path(directory))]
+
+
+def _directories(directory: Path) -> list[tuple[int, int, Path]]:
+    """(step, epoch, path) of every checkpoint directory, newest first."""
+    try:
+        entries = list(directory.iterdir())
+    except (FileNotFoundError, NotADirectoryError):  # none yet, or deleted under our feet
+        return []
+    found = []
+    for path in entries:
+        match = _NAME.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(2)), int(match.group(1)), path))
+    return sorted(found, reverse=True)
+
+
 class CheckpointManager:
     """Saves and finds checkpoints in `directory`; every rank makes one and calls `save` at the
     same points of the run.
 
     Retention (rank 0, after each complete save): the `keep_last` newest checkpoints, plus
     (keep_best) the one with the lowest WER among those saved with a WER, which is never
-    deleted; unfinished directories older than the newest complete one go too.
+    deleted; unfinished directories older than the newest complete one go too. With a
+    `run_id`, every save records it and retention counts and deletes only that run's
+    checkpoints: another run's are never touched.
     """
 
     def __init__(
@@ -164,6 +201,7 @@ class CheckpointManager:
         rank: int = 0,
         world_size: int = 1,
         commit_timeout_s: float = 600.0,
+        run_id: str | None = None,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"CheckpointManager: keep_last must be >= 1, got {keep_last}")
@@ -173,26 +211,16 @@ class CheckpointManager:
         self.rank = rank
         self.world_size = world_size
         self.commit_timeout_s = commit_timeout_s
+        self.run_id = run_id
         self._saves = 0
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
 
     # ------------------------------------------------------------------------------ listing
-    def _directories(self) -> list[tuple[int, int, Path]]:
-        """(step, epoch, path) of every checkpoint directory, newest first."""
-        if not self.directory.is_dir():
-            return []
-        found = []
-        for path in self.directory.iterdir():
-            match = _NAME.match(path.name)
-            if match and path.is_dir():
-                found.append((int(match.group(2)), int(match.group(1)), path))
-        return sorted(found, reverse=True)
-
     def complete(self) -> list[Checkpoint]:
         """Every complete checkpoint, newest first."""
         out = []
-        for _, _, path in self._directories():
+        for _, _, path in _directories(self.directory):
             record = _read_json(path / COMPLETE)
             if record is not None and "files" in record:
                 out.append(Checkpoint(path, record))
@@ -226,10 +254,12 @@ class CheckpointManager:
         """
         self.wait()
         self._saves += 1
-        token = f"{epoch}:{step}:{self._saves}"
+        token = f"{self.run_id}:{epoch}:{step}:{self._saves}"
         host_files = _to_host(files)
         path = self.directory / f"ckpt_e{epoch}_s{step}"
         record = {"epoch": epoch, "step": step, **(meta or {})}
+        if self.run_id is not None:
+            record["run_id"] = self.run_id
 
         def write() -> None:
             self._write(host_files, path, token, record)
@@ -310,15 +340,26 @@ class CheckpointManager:
             },
         )
 
+    def _of_this_run(self, path: Path) -> bool:
+        """Whether the checkpoint directory `path` was written by this manager's run: its
+        record says so, or, unfinished, one of its sidecars does."""
+        if self.run_id is None:
+            return True
+        record = _read_json(path / COMPLETE)
+        if record is not None:
+            return record.get("meta", {}).get("run_id") == self.run_id
+        tokens = (_read_json(sidecar) or {} for sidecar in path.glob("*.json"))
+        return any(str(entry.get("token", "")).startswith(f"{self.run_id}:") for entry in tokens)
+
     def _retain(self) -> None:
-        complete = self.complete()
+        complete = [c for c in self.complete() if self._of_this_run(c.path)]
         keep = {c.path for c in complete[: self.keep_last]}
         with_wer = [(c.meta["wer"], c.path) for c in complete if c.meta.get("wer") is not None]
         if self.keep_best and with_wer:
             keep.add(min(with_wer)[1])
         newest_step = int(_NAME.match(complete[0].path.name).group(2)) if complete else None
-        for step, _, path in self._directories():
-            if path in keep:
+        for step, _, path in _directories(self.directory):
+            if path in keep or not self._of_this_run(path):
                 continue
             if not (path / COMPLETE).is_file() and (newest_step is None or step >= newest_step):
                 continue  # a save still being written (or newer than every complete one)
@@ -365,6 +406,25 @@ class CheckpointManager:
             f"{len(candidates)} checkpoint(s) in {self.directory} but none can be loaded "
             "(refusing to start from scratch):\n  " + "\n  ".join(problems)
         )
+
+
+def _non_finite(state: Any, key: str = "") -> str | None:
+    """The key of the first floating-point tensor in `state` with a NaN or inf, else None."""
+    if isinstance(state, torch.Tensor):
+        if state.is_floating_point() and not bool(torch.isfinite(state).all()):
+            return key or "the state"
+        return None
+    if isinstance(state, dict):
+        items = ((f"{key}.{k}" if key else str(k), v) for k, v in state.items())
+    elif isinstance(state, (list, tuple)):
+        items = ((f"{key}[{i}]", v) for i, v in enumerate(state))
+    else:
+        return None
+    for sub_key, value in items:
+        where = _non_finite(value, sub_key)
+        if where is not None:
+            return where
+    return None
 
 
 def _to_host(state: Any) -> Any:

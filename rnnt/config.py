@@ -21,6 +21,8 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
+from rnnt.errors import UserError
+
 LENGTHS_DIR = Path(__file__).resolve().parent / "data" / "lengths"
 
 EncoderLSTM = Literal["cudnn", "wave", "auto"]
@@ -33,7 +35,7 @@ EvalMode = Literal["no_cg", "cg", "cg_unroll_pipeline"]
 Preset = Literal["", "gbs512", "gbs1024", "gbs1536", "gbs2048", "gbs4096", "gbs6144"]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem, with a message that names the key and its source."""
 
 
@@ -214,6 +216,9 @@ class DataConfig(_Section):
     device: Place = "gpu"  # where the feature stage runs
     resampling_device: Place = "cpu"
     num_threads: int = 4
+    # exclude and count the utterances the preflight finds bad (manifest line, audio path,
+    # tokens) and drop those that cannot be read in training, instead of stopping the run
+    skip_bad: bool = False
     # synthetic backend: utterance lengths sampled from real LibriSpeech length tables (the
     # defaults ship in rnnt/data/lengths)
     synthetic_train_lengths: str = str(LENGTHS_DIR / "librispeech_train-clean-5_lengths.tsv")

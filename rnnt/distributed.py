@@ -20,7 +20,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rnnt.errors import UserError
 from rnnt.seeds import draw_seed
+
+
+class DeviceError(UserError, RuntimeError):
+    """The device asked for is not on this machine."""
 
 
 @dataclass
@@ -74,7 +79,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistCont
     rank, world_size, local_rank = _launcher_env()
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' requested but no CUDA device is available")
+        raise DeviceError("--device cuda: this machine has no CUDA device (use --device cpu)")
     if use_cuda:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
@@ -179,14 +184,37 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
     return bool(value.item())
 
 
+def same_on_every_rank(value: int, ctx: DistContext) -> bool:
+    """True on every rank when `value` (a 63-bit int) is the same on all of them."""
+    if not ctx.enabled:
+        return True
+    both = torch.tensor([value, -value], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    high, negated_low = both.tolist()
+    return high == -negated_low
+
+
+def _from_rank0(value: int | None, draw, ctx: DistContext) -> int:
+    """`value`, or the int `draw()` gives on rank 0, the same on every rank."""
+    if value is not None:
+        return value
+    drawn = torch.tensor([draw() if ctx.is_main else 0], dtype=torch.int64, device=ctx.device)
+    if ctx.enabled:
+        dist.broadcast(drawn, src=0)
+    return int(drawn.item())
+
+
 def agree_on_seed(seed: int | None, ctx: DistContext) -> int:
     """The run's seed: `seed`, or one rank 0 draws from os.urandom, the same on every rank."""
-    if seed is not None:
-        return seed
-    value = torch.tensor([draw_seed() if ctx.is_main else 0], dtype=torch.int64, device=ctx.device)
-    if ctx.enabled:
-        dist.broadcast(value, src=0)
-    return int(value.item())
+    return _from_rank0(seed, draw_seed, ctx)
+
+
+def agree_on_run_id(run_id: str | None, ctx: DistContext) -> str:
+    """The run's id: `run_id` (a resumed run's), or 12 hex digits rank 0 draws from
+    os.urandom, the same on every rank."""
+    if run_id is not None:
+        return run_id
+    return f"{_from_rank0(None, lambda: int.from_bytes(os.urandom(6), 'little'), ctx):012x}"
 
 
 def barrier(ctx: DistContext) -> None:

@@ -9,14 +9,15 @@ from pathlib import Path
 import torch
 
 from rnnt.backends import Choice, backend_line, eval_choices
-from rnnt.checkpoint import open_checkpoint
+from rnnt.checkpoint import CheckpointError, open_checkpoint
 from rnnt.config import Config, ConfigError
 from rnnt.data.augment import BatchTransform
 from rnnt.data.loader import build_loader
-from rnnt.data.manifest import Utterance, read_manifest
+from rnnt.data.manifest import Utterance
+from rnnt.data.preflight import PreflightError, PreflightResult, preflight
 from rnnt.data.tokenizer import Tokenizer
 from rnnt.decoding import GreedyDecoder
-from rnnt.distributed import DistContext, all_reduce_sum
+from rnnt.distributed import DistContext, all_reduce_sum, same_on_every_rank
 from rnnt.metrics import word_errors
 from rnnt.model import RNNT
 
@@ -92,6 +93,19 @@ def build_eval_loader(cfg: Config, utts: list[Utterance], ctx: DistContext, toke
     )  # fmt: skip
 
 
+def checked_inputs(cfg: Config, ctx: DistContext, train: bool) -> PreflightResult:
+    """The preflight of `cfg`'s manifests and tokenizer (rnnt.data.preflight), the same on
+    every rank: ranks that found different problems would deal different utterances."""
+    checked = preflight(cfg.data, cfg.model.n_classes, train=train)
+    if not same_on_every_rank(checked.fingerprint(), ctx):
+        raise PreflightError(
+            "preflight: the ranks found different problems in the same manifests (do they "
+            "read the same files? did one change while the run started?)"
+        )
+    checked.raise_for_problems()
+    return checked
+
+
 def detokenizer(tokenizer: Tokenizer | None):
     """Token ids -> text; without a tokenizer (synthetic data) the ids themselves."""
     if tokenizer is not None:
@@ -108,6 +122,7 @@ class EvalSetup:
     transform: BatchTransform
     tokenizer: Tokenizer | None
     backends: dict[str, Choice]
+    inputs: PreflightResult  # what the preflight kept and excluded
 
     def announce(self, ctx: DistContext) -> None:
         """Print which implementation runs each part (rnnt.backends), on the main rank."""
@@ -118,9 +133,10 @@ class EvalSetup:
 def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str = "ema"):
     """Build the eval model from `cfg`, load the EMA (or raw) weights of a checkpoint (its
     directory, or its model.pt) into it."""
+    checked = checked_inputs(cfg, ctx, train=False)  # seconds, before the checkpoint's load
     path = Path(checkpoint)
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise CheckpointError(f"checkpoint not found: {path}")
     state = open_checkpoint(path).load("model", map_location="cpu")
     dtype = DTYPES[cfg.training.precision] if ctx.device.type == "cuda" else torch.float32
     model = RNNT(cfg.model).to(ctx.device)
@@ -128,7 +144,7 @@ def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str =
         saved = state["ema"]["weights"]
         params = list(model.parameters())
         if len(saved) != len(params) or any(a.shape != b.shape for a, b in zip(saved, params)):
-            raise ValueError(f"{path}: its EMA weights do not fit the model of this config")
+            raise CheckpointError(f"{path}: its EMA weights do not fit the model of this config")
         with torch.no_grad():
             for p, w in zip(params, saved):
                 p.copy_(w)
@@ -137,18 +153,22 @@ def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str =
             model.load_state_dict(state["model"])
         except RuntimeError as err:
             first = str(err).splitlines()[0]
-            raise ValueError(
+            raise CheckpointError(
                 f"{path}: weights do not fit the model of this config: {first}"
             ) from None
     model.to(dtype).eval()
-    tokenizer = Tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
-    utts: list[Utterance] = []
-    for manifest in cfg.data.val_manifests:
-        utts += read_manifest(manifest, cfg.data.dataset_dir)
-    loader = build_eval_loader(cfg, utts, ctx, tokenizer)
+    loader = build_eval_loader(cfg, checked.val, ctx, checked.tokenizer)
     transform = BatchTransform(cfg.features, train=False, dtype=dtype)
-    decoder = build_decoder(cfg, model)
-    return EvalSetup(cfg, model, decoder, loader, transform, tokenizer, eval_choices(cfg))
+    return EvalSetup(
+        cfg,
+        model,
+        build_decoder(cfg, model),
+        loader,
+        transform,
+        checked.tokenizer,
+        eval_choices(cfg),
+        checked,
+    )
 
 
 def score(setup: EvalSetup, ctx: DistContext) -> EvalResult:

@@ -1,14 +1,17 @@
 """Human-readable training log lines (stdout) and a JSON-lines metrics file, main rank only.
 
-Every `step` / `eval` call prints one line and appends one JSON object to
-`OUTPUT_DIR/metrics.jsonl` (appending, so a resumed run continues the same file), after one
+Every `run` / `step` / `eval` call prints one line and appends one JSON object to
+`OUTPUT_DIR/metrics.jsonl` (appending, so a resumed run continues the same file), with one
 record of the run's implementation choices (rnnt.backends):
 
+    {"kind": "run", "time": 1714000000.0, "run_id": "3f9c0a1b22d4", "seed": 1234567,
+     "world_size": 8, "resumed": false}
     {"kind": "backends", "time": ..., "data": "torch/cpu", "encoder_lstm": "cudnn",
      "loss": "reference", "lamb": "torch", "reasons": {"data": "auto: ...", ...}}
     {"kind": "train", "time": 1714000000.1, "step": 120, "epoch": 2, "loss": 48.2, "lr": 0.0031,
      "utts_per_s": 1520.4, "step_ms": 126.3, "window_steps": 10, "data_wait_share": 0.01,
      "peak_memory_gib": 61.2, "mfu": 0.212, "loss_scale": 512.0, "skipped_steps": 0}
+    (and "dropped_utterances" under data.skip_bad)
     {"kind": "eval", "time": ..., "epoch": 2, "step": 542, "wer": 0.284, "utterances": 2703,
      "seconds": 1.9}
 
@@ -78,6 +81,19 @@ class RunLog:
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 
+    def run(self, run_id: str, seed: int, world_size: int, resumed: bool) -> None:
+        """The run's identity, once per process start: its id (in its checkpoints too), its
+        seed, and whether it continues from a checkpoint."""
+        if not self.is_main:
+            return
+        how = "resumed" if resumed else "fresh"
+        self._print(
+            f"run {run_id} ({how}): seed {seed}, {world_size} rank(s) derive theirs from it"
+        )
+        self._record(
+            "run", dict(run_id=run_id, seed=int(seed), world_size=world_size, resumed=resumed)
+        )
+
     def info(self, message: str) -> None:
         if self.is_main:
             self._print(message)
@@ -101,10 +117,12 @@ class RunLog:
         loss_scale: float,
         skipped_steps: int,
         window: WindowStats,
+        dropped_utterances: int | None = None,
     ) -> None:
         """One training log point: the mean loss of the last step, its LR, the loss scale,
-        the total of skipped (non-finite) steps, and the throughput window since the previous
-        log point (rnnt.throughput)."""
+        the total of skipped (non-finite) steps, the throughput window since the previous
+        log point (rnnt.throughput) and, under data.skip_bad, the utterances left out of their
+        batches so far because their audio could not be read."""
         if not self.is_main:
             return
         parts = [
@@ -119,12 +137,15 @@ class RunLog:
         if window.mfu is not None:
             parts.append(f"MFU {window.mfu:.1%}")
         parts += [f"loss scale {loss_scale:g}", f"skipped steps {skipped_steps}"]
+        if dropped_utterances is not None:
+            parts.append(f"dropped utterances {dropped_utterances}")
         self._print(" | ".join(parts))
         fields = dict(
             step=step, epoch=epoch, loss=float(loss), lr=float(lr),
             utts_per_s=window.utts_per_s, step_ms=window.step_ms, window_steps=window.steps,
             data_wait_share=window.data_wait_share, peak_memory_gib=window.peak_memory_gib,
             mfu=window.mfu, loss_scale=float(loss_scale), skipped_steps=int(skipped_steps),
+            dropped_utterances=dropped_utterances,
         )  # fmt: skip
         self._record("train", {k: v for k, v in fields.items() if v is not None})
 

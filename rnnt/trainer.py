@@ -21,16 +21,25 @@ from rnnt.config import Config, ConfigError, check_device, preset_global_batch, 
 from rnnt.data.augment import BatchTransform
 from rnnt.data.batch import FeatureBatch
 from rnnt.data.loader import build_loader
-from rnnt.data.manifest import Utterance, read_manifest
+from rnnt.data.manifest import Utterance
+from rnnt.data.preflight import load_tokenizer
 from rnnt.data.sampler import BucketingSampler
 from rnnt.data.synthetic import SyntheticFeatureSource, tokenizer_for_lengths_table
-from rnnt.data.tokenizer import Tokenizer
-from rnnt.distributed import DistContext, agree_on_seed, any_rank, barrier, set_torch_threads
+from rnnt.distributed import (
+    DistContext,
+    agree_on_run_id,
+    agree_on_seed,
+    all_reduce_sum,
+    any_rank,
+    barrier,
+    set_torch_threads,
+)
 from rnnt.evaluation import (
     DTYPES,
     EvalResult,
     build_decoder,
     build_eval_loader,
+    checked_inputs,
     detokenizer,
     evaluate,
 )
@@ -68,7 +77,7 @@ class Trainer:
         resume: bool = False,
     ):
         """resume: continue the run of output_dir (`resume()` loads its newest checkpoint);
-        its seed is the saved one unless the config names one."""
+        its run id is the saved one, and so is its seed unless the config names one."""
         self.cfg = cfg
         self.ctx = ctx
         tcfg = cfg.training
@@ -86,14 +95,15 @@ class Trainer:
             world_size=ctx.world_size,
             commit_timeout_s=tcfg.collective_timeout_s,
         )
-        saved_seed = None
-        if resume and tcfg.seed is None:
-            newest = self.checkpoints.complete()
-            saved_seed = newest[0].meta.get("seed") if newest else None
-        tcfg.seed = agree_on_seed(tcfg.seed if tcfg.seed is not None else saved_seed, ctx)
+        newest = self.checkpoints.complete() if resume else []
+        saved = newest[0].meta if newest else {}
+        tcfg.seed = agree_on_seed(tcfg.seed if tcfg.seed is not None else saved.get("seed"), ctx)
+        # one id per run: its checkpoints carry it, and retention deletes only its own
+        self.run_id = agree_on_run_id(saved.get("run_id"), ctx)
+        self.checkpoints.run_id = self.run_id
+        self.log.run(self.run_id, tcfg.seed, ctx.world_size, resumed=bool(newest))
         self.log.info(set_torch_threads(cfg.data.num_threads, tcfg.torch_threads))
         self.seeds = rank_seeds(tcfg.seed, ctx.rank)
-        self.log.info(f"seed {tcfg.seed} ({ctx.world_size} rank(s) derive theirs from it)")
         torch.manual_seed(self.seeds.torch)
         # set by train.py; the loop checks it at its log points
         self.preemption: PreemptionFlag | None = None
@@ -107,28 +117,23 @@ class Trainer:
     def _build_data(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         dcfg = cfg.data
-        self.tokenizer = Tokenizer(dcfg.tokenizer) if dcfg.tokenizer else None
-        if self.tokenizer is not None and self.tokenizer.vocab_size + 1 != cfg.model.n_classes:
-            raise ConfigError(
-                f"model.n_classes={cfg.model.n_classes} but tokenizer {dcfg.tokenizer} has "
-                f"{self.tokenizer.vocab_size} pieces (n_classes must be pieces + 1 for blank)"
-            )
         self.global_batch = (
             cfg.training.batch_size * cfg.training.grad_accumulation * ctx.world_size
         )
         check_system(cfg, ctx.world_size, self.global_batch)
         if dcfg.backend == "synthetic":
+            self.tokenizer = load_tokenizer(dcfg.tokenizer, cfg.model.n_classes)
             self._build_synthetic_data()
             return
-        train_utts = []
-        for path in dcfg.train_manifests:
-            train_utts += read_manifest(path, dcfg.dataset_dir)
-        kept = [u for u in train_utts if u.duration <= dcfg.max_duration]
-        self.dropped_long = len(train_utts) - len(kept)
+        checked = checked_inputs(cfg, ctx, train=True)
+        self.log.info(checked.summary())
+        for problem in checked.problems:
+            self.log.info(f"excluded: {problem}")
+        self.tokenizer = checked.tokenizer
+        kept = [u for u in checked.train if u.duration <= dcfg.max_duration]
+        self.dropped_long = len(checked.train) - len(kept)
         self.train_utts = kept
-        self.val_utts = []
-        for path in dcfg.val_manifests:
-            self.val_utts += read_manifest(path, dcfg.dataset_dir)
+        self.val_utts = checked.val
         if not self.train_utts:
             raise ConfigError(f"data.train_manifests {dcfg.train_manifests}: no utterances")
         if len(self.train_utts) < self.global_batch:
@@ -275,6 +280,7 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(),
                 "rng": capture_rng_state(),
                 "augment_rng": self.augment_generator.get_state(),
+                "loader": self._loader_generators(),
             }
         }
         ema = self._full_ema()
@@ -302,7 +308,9 @@ class Trainer:
         # the loader prefetches: record the batches actually trained, not those handed out
         return self.sampler.state_dict(batches_done=self.batches_done)
 
-    def load_state(self, states: dict[str, dict], checkpoint: Checkpoint) -> None:
+    def load_state(self, states: dict[str, dict], checkpoint: Checkpoint) -> list[str]:
+        """Load a checkpoint's states; returns the reasons the resume is not exact (none: it
+        continues bit for bit as the run that saved it would have)."""
         main = states["model"]
         self.model.load_state_dict(main["model"])
         shards = [v["optimizer"] for k, v in states.items() if k.startswith("rank")]
@@ -320,20 +328,45 @@ class Trainer:
         self.progress = Progress(int(p["epoch"]), int(p["step"]), float(p["best_wer"]))
         self.sampler.load_state_dict(main["sampler"])
         self.batches_done = int(main["sampler"]["batches_done"])
+        self.run_id = checkpoint.meta.get("run_id", self.run_id)  # older checkpoints have none
+        self.checkpoints.run_id = self.run_id
         self.skipped_total.copy_(main["skipped_total"])
         self.skipped_in_a_row.copy_(main["skipped_in_a_row"])
-        own = states.get(f"rank{self.ctx.rank}")
-        if checkpoint.record.get("world_size") == self.ctx.world_size and own is not None:
+        return self._restore_streams(states.get(f"rank{self.ctx.rank}"), checkpoint)
+
+    def _loader_generators(self) -> dict:
+        """The loader's generator state beyond its position (DALI's dither); none for the
+        synthetic source, which regenerates its batches from (seed, epoch)."""
+        if self.cfg.data.backend == "synthetic":
+            return {}
+        return self.train_loader.generator_state()
+
+    def _restore_streams(self, own: dict | None, checkpoint: Checkpoint) -> list[str]:
+        """Restore this rank's random streams; the reasons the resume is not exact, if any."""
+        not_exact = []
+        saved_world = checkpoint.record.get("world_size")
+        if saved_world == self.ctx.world_size and own is not None:
             self.augment_generator.set_state(own["augment_rng"].cpu())
             restore_rng_state(own["rng"])
+            if own.get("loader"):
+                self.train_loader.load_generator_state(own["loader"])
+            elif self._loader_generators():
+                not_exact.append(
+                    "the checkpoint holds no state of DALI's dither generator (it was written "
+                    "before that was kept): dither restarts from the seed"
+                )
         else:  # another world size: no rank's streams carry over, so derive them afresh
-            self.log.info(
-                f"{checkpoint.path.name} was written by {checkpoint.record.get('world_size')} "
-                f"rank(s); the optimizer state was cut anew for {self.ctx.world_size}, and the "
-                "random streams restart from the seed and the step"
+            not_exact.append(
+                f"it was written by {saved_world} rank(s): the optimizer state was cut anew for "
+                f"{self.ctx.world_size}, and the random streams restart from the seed and the step"
             )
             torch.manual_seed(self.seeds.torch + self.progress.step)
             self.augment_generator.manual_seed(self.seeds.augment + self.progress.step)
+        if self.cfg.data.backend == "synthetic" and self.progress.step % len(self.train_loader):
+            not_exact.append(
+                f"the synthetic backend replays epoch {self.progress.epoch} from its first batch"
+            )
+        return not_exact
 
     def resume(self) -> bool:
         """Load the newest checkpoint of output_dir that every rank can read; False when there
@@ -351,10 +384,11 @@ class Trainer:
         if loaded is None:
             return False
         states, checkpoint = loaded
-        self.load_state(states, checkpoint)
+        not_exact = self.load_state(states, checkpoint)
+        how = f"NOT exact: {'; '.join(not_exact)}" if not_exact else "exact"
         self.log.info(
             f"resumed from {checkpoint.path} at epoch {self.progress.epoch}, "
-            f"step {self.progress.step}"
+            f"step {self.progress.step}; {how}"
         )
         return True
 
@@ -366,7 +400,7 @@ class Trainer:
             self.state_files(),
             epoch=self.progress.epoch,
             step=self.progress.step,
-            meta={"wer": wer, "seed": self.cfg.training.seed},
+            meta={"wer": wer, "seed": self.cfg.training.seed},  # and the run id
             background=background,
         )
 
@@ -458,8 +492,18 @@ class Trainer:
             loss_scale=scale,
             skipped_steps=int(skipped_total),
             window=window,
+            dropped_utterances=self._dropped_utterances(),
         )
         self._check_nonfinite(int(in_a_row))
+
+    def _dropped_utterances(self) -> int | None:
+        """Under data.skip_bad: the utterances every rank's batches have left out so far
+        because their audio could not be read (a collective); None otherwise."""
+        if not self.cfg.data.skip_bad:
+            return None
+        mine = getattr(self.train_loader, "dropped_utterances", 0)  # synthetic batches: none
+        count = torch.tensor([float(mine)], device=self.ctx.device)
+        return int(all_reduce_sum(count, self.ctx).item())
 
     def train_epoch(self) -> None:
         cfg, ctx = self.cfg, self.ctx

@@ -29,7 +29,8 @@ bash scripts/prepare_synthetic_corpus.sh digits "$DATA" "$VOCAB" --train "$TRAIN
   --dev "$DEV_UTTS" --seed "$SEED"
 
 step "4/6 train configs/tiny.yaml to the 5.8% WER target"
-python3 train.py configs/tiny.yaml --device cpu \
+# a rerun trains afresh: --overwrite deletes the previous run's checkpoints in $OUT
+python3 train.py configs/tiny.yaml --device cpu --overwrite \
   --set data.dataset_dir="$DATA" \
   --set "data.train_manifests=[$DATA/digits-train.jsonl]" \
   --set "data.val_manifests=[$DATA/digits-dev.jsonl]" \

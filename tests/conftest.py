@@ -50,8 +50,10 @@ def build_digits_corpus(root: Path) -> dict:
     dev, _ = build_manifest(root, ["dev"])
     model = train_tokenizer([u.transcript for u in train], root / "tok", 20)
     tok = Tokenizer(model)
-    write_manifest(root / "train.jsonl", tokenize(train, tok))
-    write_manifest(root / "dev.jsonl", tokenize(dev, tok))
+    for name, utts in (("train", train), ("dev", dev)):
+        tokenized, report = tokenize(utts, tok, [u.utt_id for u in utts])
+        assert not report.problems, report.summary()
+        write_manifest(root / f"{name}.jsonl", tokenized)
     return {"root": root, "tokenizer": model}
 
 
@@ -70,3 +72,25 @@ def corpus(tmp_path_factory) -> dict:
     if shutil.which("espeak-ng") is None:
         pytest.skip("espeak-ng is not installed (scripts/install.sh installs it)")
     return build_digits_corpus(tmp_path_factory.mktemp("digits"))
+
+
+@pytest.fixture
+def tiny_sets(corpus):
+    """tiny_sets(out, *extra): `--set` arguments that point configs/tiny.yaml at the digits
+    corpus with a model small enough for a CPU test (one epoch of 6 steps at batch 8), writing
+    into `out`; `extra` overrides come last."""
+    root = corpus["root"]
+
+    def sets(out: Path, *extra: str) -> list[str]:
+        values = [
+            f"data.dataset_dir={root}", f"data.train_manifests=[{root / 'train.jsonl'}]",
+            f"data.val_manifests=[{root / 'dev.jsonl'}]", f"data.tokenizer={corpus['tokenizer']}",
+            "data.backend=torch", "data.num_threads=0", "data.num_buckets=1",
+            "model.n_classes=21", "model.enc_n_hid=32", "model.pred_n_hid=16",
+            "model.joint_n_hid=32", "training.batch_size=8", "training.epochs=1",
+            "training.log_frequency=1", f"training.output_dir={out}", "eval.batch_size=6",
+            *extra,
+        ]  # fmt: skip
+        return [arg for value in values for arg in ("--set", value)]
+
+    return sets

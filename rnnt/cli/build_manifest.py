@@ -6,7 +6,8 @@
       --from-manifest M.jsonl --tokenizer T.model --output M-tokens.jsonl
 
 Bad utterances are excluded and listed (every one, with file and line, on stderr and in the
-report file); --strict makes any problem fatal (exit 1).
+report file), and so are transcripts the tokenizer cannot encode without <unk>; --strict makes
+any problem fatal (exit 2).
 """
 
 from __future__ import annotations
@@ -15,17 +16,12 @@ import argparse
 import os
 import sys
 
-from rnnt.data.manifest import (
-    ManifestError,
-    build_manifest,
-    read_manifest,
-    tokenize,
-    write_manifest,
-)
-from rnnt.data.tokenizer import Tokenizer, TokenizerError
-from rnnt.data.validate import DatasetError
+from rnnt.data.manifest import build_manifest, read_manifest_entries, tokenize, write_manifest
+from rnnt.data.tokenizer import Tokenizer
+from rnnt.errors import reports_user_errors
 
 
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
@@ -51,29 +47,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    try:
-        tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
-        if args.from_manifest:
-            if tokenizer is None:
-                ap.error("--from-manifest needs --tokenizer")
-            utts = tokenize(read_manifest(args.from_manifest, args.dataset_dir), tokenizer)
-            write_manifest(args.output, utts, args.dataset_dir)
-            print(f"{args.output}: {len(utts)} utterances with token ids ({args.tokenizer})")
-            return 0
-        utts, report = build_manifest(
-            args.dataset_dir,
-            args.splits,
-            tokenizer=tokenizer,
-            max_duration=args.max_duration,
-            convert_to_wav=args.convert_to_wav,
-            workers=args.workers,
-            strict=args.strict,
-            full_decode=args.full_decode,
-            progress=not args.no_progress,
-        )
-    except (DatasetError, ManifestError, TokenizerError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
+    if args.from_manifest:
+        if tokenizer is None:
+            ap.error("--from-manifest needs --tokenizer")
+        entries = read_manifest_entries(args.from_manifest, args.dataset_dir)
+        utts, report = tokenize([u for _, u in entries], tokenizer, [w for w, _ in entries])
+        if args.strict and report.problems:
+            raise report.strict_error(args.from_manifest, "out-of-vocabulary transcripts")
+        for problem in report.problems:
+            print(problem, file=sys.stderr)
+        write_manifest(args.output, utts, args.dataset_dir)
+        print(f"{args.output}: {len(utts)} utterances with token ids ({args.tokenizer})")
+        print(report.summary())
+        return 0
+    utts, report = build_manifest(
+        args.dataset_dir,
+        args.splits,
+        tokenizer=tokenizer,
+        max_duration=args.max_duration,
+        convert_to_wav=args.convert_to_wav,
+        workers=args.workers,
+        strict=args.strict,
+        full_decode=args.full_decode,
+        progress=not args.no_progress,
+    )
     for problem in report.problems:
         print(problem, file=sys.stderr)
     write_manifest(args.output, utts)

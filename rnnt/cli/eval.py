@@ -11,10 +11,11 @@ import json
 import sys
 from pathlib import Path
 
-from rnnt.config import ConfigError, add_config_args, load_config_or_exit
+from rnnt.config import add_config_args, load_config
+from rnnt.errors import UserError, reports_user_errors
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     add_config_args(parser)
     parser.add_argument(
@@ -26,7 +27,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="decoder (default: eval.mode of the config)",
     )
-    parser.add_argument("--weights", choices=["ema", "model"], default="ema")
+    parser.add_argument(
+        "--weights",
+        choices=["ema", "model"],
+        default="ema",
+        help="score the EMA of the weights (what the training run's evaluations score) or "
+        "the raw trained weights",
+    )
     parser.add_argument(
         "--manifest",
         action="append",
@@ -36,10 +43,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--output", default=None, help="hypotheses JSON lines (default: next to the checkpoint)"
     )
-    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cuda", "cpu"],
+        help="where to decode (auto: CUDA when this machine has it, else the CPU)",
+    )
+    return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     overrides = list(args.overrides)
@@ -47,25 +64,29 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"eval.mode={args.mode}")
     if args.manifest:
         overrides.append(f"data.val_manifests={json.dumps(args.manifest)}")
-    cfg = load_config_or_exit(args.config, overrides)
+    cfg = load_config(args.config, overrides)
 
-    from rnnt.checkpoint import CheckpointError
+    # torch loads only once the command line is known to be good
     from rnnt.distributed import init_distributed
     from rnnt.evaluation import load_for_eval, score
 
     ctx = init_distributed(args.device)
-    try:
-        setup = load_for_eval(cfg, args.checkpoint, ctx, weights=args.weights)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    setup = load_for_eval(cfg, args.checkpoint, ctx, weights=args.weights)
     setup.announce(ctx)
+    if ctx.is_main:
+        print(setup.inputs.summary())
+        for problem in setup.inputs.problems:
+            print(f"excluded: {problem}")
     result = score(setup, ctx)
     output = Path(args.output) if args.output else Path(args.checkpoint).with_suffix(".hyps.jsonl")
     if ctx.is_main:
-        with output.open("w") as fh:
-            for utt_id, hyp, ref in result.rows:
-                fh.write(json.dumps({"utt_id": utt_id, "hypothesis": hyp, "reference": ref}) + "\n")
+        try:
+            with output.open("w") as fh:
+                for utt_id, hyp, ref in result.rows:
+                    row = {"utt_id": utt_id, "hypothesis": hyp, "reference": ref}
+                    fh.write(json.dumps(row) + "\n")
+        except OSError as err:
+            raise UserError(f"--output {output}: cannot write ({err.strerror or err})") from None
         print(f"utterances: {result.utterances}  words: {result.words}  errors: {result.errors}")
         print(
             f"throughput: {result.utterances_per_second:.1f} utterances/s "

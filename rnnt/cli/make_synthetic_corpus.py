@@ -18,11 +18,12 @@ from rnnt.data.synthetic_corpus import (
     DEFAULT_DEV_SIZE,
     DURATIONS,
     KINDS,
-    CorpusError,
     build_corpus,
 )
+from rnnt.errors import reports_user_errors
 
 
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -57,22 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    try:
-        summary = build_corpus(
-            args.out_dir,
-            args.kind,
-            train=args.train,
-            dev=args.dev,
-            seed=args.seed,
-            workers=args.workers,
-            force=args.force,
-            progress=not args.no_progress,
-            durations=args.durations,
-            held_out_speakers=args.held_out_speakers,
-        )
-    except CorpusError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    summary = build_corpus(
+        args.out_dir,
+        args.kind,
+        train=args.train,
+        dev=args.dev,
+        seed=args.seed,
+        workers=args.workers,
+        force=args.force,
+        progress=not args.no_progress,
+        durations=args.durations,
+        held_out_speakers=args.held_out_speakers,
+    )
     report = asdict(summary)
     report["wall_seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(report))

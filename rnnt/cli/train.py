@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rnnt.config import ConfigError, add_config_args, load_config_or_exit
-from rnnt.distributed import init_distributed, shutdown
+from rnnt.config import add_config_args, load_config
+from rnnt.errors import reports_user_errors
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     add_config_args(parser)
     parser.add_argument(
@@ -23,12 +23,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="CUDA graphs per network, same as --set training.num_cg=N",
     )
-    parser.add_argument(
+    fresh = parser.add_mutually_exclusive_group()
+    fresh.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest complete checkpoint in output_dir",
+        help="continue the run of output_dir from its newest complete checkpoint",
     )
-    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    fresh.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a fresh run in an output_dir that holds another run's checkpoints, "
+        "deleting them (without it, such a run is refused)",
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cuda", "cpu"],
+        help="where to train (auto: CUDA when this machine has it, else the CPU)",
+    )
     parser.add_argument(
         "--mlperf-log", default=None, help="MLPerf log file (default: OUTPUT_DIR/mlperf.log)"
     )
@@ -39,46 +51,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="the launcher dropped the file-system caches before this run",
     )
-    return parser.parse_args(argv)
+    return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     overrides = list(args.overrides)
     if args.num_cg is not None:
         overrides.append(f"training.num_cg={args.num_cg}")
-    cfg = load_config_or_exit(args.config, overrides)
+    cfg = load_config(args.config, overrides)
 
+    # torch and the training stack load only once the command line is known to be good
     from pathlib import Path
 
+    from rnnt.distributed import init_distributed, shutdown
     from rnnt.mlperf import MLPerfLogger
     from rnnt.preemption import EXIT_PREEMPTED, Preempted, PreemptionFlag
+    from rnnt.run_dir import prepare_output_dir
     from rnnt.run_log import METRICS_FILE
     from rnnt.trainer import NonFiniteLossError, Trainer
 
     ctx = init_distributed(args.device, cfg.training.collective_timeout_s)
-    preemption = PreemptionFlag().install()
-    log_path = args.mlperf_log or str(Path(cfg.training.output_dir) / "mlperf.log")
-    if ctx.is_main:
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        if not args.resume:  # a fresh run starts its logs afresh (checkpoints are kept)
-            Path(log_path).unlink(missing_ok=True)  # one run per MLPerf log
-            (Path(cfg.training.output_dir) / METRICS_FILE).unlink(missing_ok=True)
-    mlperf = MLPerfLogger(log_path, ctx.rank)
-    mlperf.submission_info(org=args.org, platform=args.platform, division="closed", status="onprem")
-    mlperf.cache_clear(args.cache_cleared)
-    mlperf.init_start()
     try:
+        out = prepare_output_dir(
+            cfg.training.output_dir, args.resume, args.overwrite, is_main=ctx.is_main
+        )
+        preemption = PreemptionFlag().install()
+        log_path = args.mlperf_log or str(out / "mlperf.log")
+        if ctx.is_main:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+            if not args.resume:  # a fresh run starts its logs afresh
+                Path(log_path).unlink(missing_ok=True)  # one run per MLPerf log
+                (out / METRICS_FILE).unlink(missing_ok=True)
+        mlperf = MLPerfLogger(log_path, ctx.rank)
+        mlperf.submission_info(
+            org=args.org, platform=args.platform, division="closed", status="onprem"
+        )
+        mlperf.cache_clear(args.cache_cleared)
+        mlperf.init_start()
         trainer = Trainer(cfg, ctx, mlperf, resume=args.resume)
         trainer.preemption = preemption
         if args.resume and not trainer.resume():
-            trainer.log.info(
-                f"--resume: no checkpoint in {cfg.training.output_dir}, starting fresh"
-            )
+            trainer.log.info(f"--resume: no checkpoint in {out}, starting fresh")
         reached = trainer.fit()
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     except NonFiniteLossError as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
@@ -88,10 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutdown(ctx)
     if ctx.is_main:
-        out = Path(cfg.training.output_dir)
         print(
-            f"target {'reached' if reached else 'NOT reached'}; "
-            f"MLPerf log: {log_path}; metrics: {out / 'metrics.jsonl'}; "
+            f"run {trainer.run_id}: target {'reached' if reached else 'NOT reached'}; "
+            f"MLPerf log: {log_path}; metrics: {out / METRICS_FILE}; "
             f"checkpoints: {out / 'checkpoints'}"
         )
     return 0 if reached else 1

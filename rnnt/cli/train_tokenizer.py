@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rnnt.data.text import invalid_characters, normalize_transcript
 from rnnt.data.tokenizer import Tokenizer, TokenizerError, train_tokenizer
+from rnnt.errors import reports_user_errors
 
 
 def manifest_transcripts(path: Path) -> list[tuple[str, str]]:
@@ -41,6 +42,7 @@ def file_transcripts(path: Path) -> list[tuple[str, str]]:
         return [(f"{path}:{n}", line) for n, line in enumerate(fh, 1) if line.strip()]
 
 
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -59,29 +61,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    try:
-        sources = args.manifests or [args.transcripts]
-        located = []
-        for path in sources:
-            if not path.is_file():
-                raise TokenizerError(f"{path}: no such file")
-            located += manifest_transcripts(path) if args.manifests else file_transcripts(path)
-        if not located:
-            raise TokenizerError(f"no transcripts in {', '.join(map(str, sources))}")
-        texts = []
-        for where, text in located:
-            text = normalize_transcript(text)
-            bad = invalid_characters(text)
-            if bad:
-                raise TokenizerError(
-                    f"{where}: characters {bad!r} outside the alphabet in {text!r}"
-                )
-            texts.append(text)
-        model = train_tokenizer(texts, args.output_prefix, args.vocab_size)
-        tokenizer = Tokenizer(model)
-    except TokenizerError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    sources = args.manifests or [args.transcripts]
+    located = []
+    for path in sources:
+        if not path.is_file():
+            raise TokenizerError(f"{path}: no such file")
+        located += manifest_transcripts(path) if args.manifests else file_transcripts(path)
+    if not located:
+        raise TokenizerError(f"no transcripts in {', '.join(map(str, sources))}")
+    texts = []
+    for where, text in located:
+        text = normalize_transcript(text)
+        bad = invalid_characters(text)
+        if bad:
+            raise TokenizerError(f"{where}: characters {bad!r} outside the alphabet in {text!r}")
+        texts.append(text)
+    model = train_tokenizer(texts, args.output_prefix, args.vocab_size)
+    tokenizer = Tokenizer(model)
     print(f"{model}: vocab size {tokenizer.vocab_size} from {len(texts)} transcripts")
     return 0
 

@@ -2,8 +2,9 @@
 
   python scripts/validate_dataset.py --dataset-dir datasets/LibriSpeech --splits dev-clean
 
-Prints every problem as `file[:line]: message` and a summary with counts per problem type;
-exit status 1 with --strict when anything is wrong.
+Prints every problem as `file[:line]: message`, a summary with counts per problem type, and
+last the verdict; exit status 1 with --strict when anything is wrong, 2 when the dataset cannot
+be validated at all (a split that is not there).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import argparse
 import os
 import sys
 
-from rnnt.data.validate import DatasetError, Report, validate_split
+from rnnt.data.validate import Report, validate_split
+from rnnt.errors import reports_user_errors
 
 
+@reports_user_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dataset-dir", required=True)
@@ -26,23 +29,30 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     total = Report()
-    try:
-        for split in args.splits:
-            _, report = validate_split(
-                args.dataset_dir,
-                split,
-                full_decode=args.full_decode,
-                workers=args.workers,
-                progress=not args.no_progress,
-            )
-            total.merge(report)
-    except DatasetError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    for split in args.splits:
+        _, report = validate_split(
+            args.dataset_dir,
+            split,
+            full_decode=args.full_decode,
+            workers=args.workers,
+            progress=not args.no_progress,
+        )
+        total.merge(report)
     for problem in total.problems:
         print(problem)
     print(total.summary())
-    return 1 if args.strict and total.problems else 0
+    # the verdict stands last, where a log's tail shows it
+    if not total.problems:
+        print("validation passed: no problems found")
+        return 0
+    if args.strict:
+        print(f"validation FAILED (--strict): {total.excluded} utterances excluded; exit status 1")
+        return 1
+    print(
+        f"validation found problems: {total.excluded} utterances would be excluded "
+        "(--strict makes that exit with status 1)"
+    )
+    return 0
 
 
 if __name__ == "__main__":

@@ -10,15 +10,17 @@ realize exactly the definitions in the docstring of `rnnt.data.features`.
 
 Randomness: speeds come from numpy seeded by (seed, rank, epoch, batch position), so a resumed
 run perturbs its batches as the original did; dither comes from DALI's generator, seeded per
-rank. DALI's generators cannot be rewound, so an evaluation pipeline is built afresh for every
-pass (the CPU pipeline builds in 3-7 ms): each evaluation dithers exactly as the previous one
-and as eval.py does (digital silence, as in synthesized speech, is nothing but dither, enough
-to flip a word).
+rank, whose state training checkpoints hold (DALI's `enable_checkpointing`), so a resumed run
+dithers as the original did too. DALI's generators cannot be rewound, so an evaluation pipeline
+is built afresh for every pass (the CPU pipeline builds in 3-7 ms): each evaluation dithers
+exactly as the previous one and as eval.py does (digital silence, as in synthesized speech, is
+nothing but dither, enough to flip a word).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
@@ -60,11 +62,13 @@ def build_pipeline(
     device: str = "cpu",
     resampling_device: str = "cpu",
     device_id: int | None = None,
+    checkpoint: bytes | None = None,
 ):
     """A built DALI pipeline whose outputs are (padded feats (B, F, T), feature shapes (B, 2)).
 
     `source` is an external_source iterable yielding ([encoded uint8 arrays], [speeds]) per
-    batch and raising StopIteration at the end of an epoch (cycle="raise").
+    batch and raising StopIteration at the end of an epoch (cycle="raise"). `checkpoint`: what
+    `pipeline.checkpoint()` returned, to continue its random generators from there.
     """
     if device not in ("cpu", "gpu") or resampling_device not in ("cpu", "gpu"):
         raise ValueError(
@@ -87,6 +91,8 @@ def build_pipeline(
         seed=seed,
         prefetch_queue_depth=2,
         exec_dynamic=True,  # allows the GPU -> CPU copy of the audio for the trim region
+        # the dither generator's state goes into the training checkpoints: an exact resume
+        enable_checkpointing=True,
     )
     def pipe():
         encoded, speed = fn.external_source(
@@ -146,8 +152,12 @@ def build_pipeline(
         feats = fn.normalize(logmel, axes=[1], epsilon=NORM_EPSILON, ddof=0)
         return fn.pad(feats, axes=[1], fill_value=0.0), feats.shape(device="cpu")
 
-    pipeline = pipe()
-    pipeline.build()
+    with warnings.catch_warnings():
+        # DALI warns that it cannot capture an iterable source's position; the source starts
+        # at the sampler's position itself (DaliFeatureIterator._source)
+        warnings.filterwarnings("ignore", message="Checkpointing enabled in a pipeline")
+        pipeline = pipe(checkpoint=checkpoint) if checkpoint is not None else pipe()
+        pipeline.build()
     return pipeline
 
 
@@ -166,7 +176,8 @@ def _to_torch(tensor_list, device: torch.device) -> torch.Tensor:
 class DaliFeatureIterator:
     """Iterates FeatureBatches of one epoch of `batches` (lists of dataset indices).
 
-    `read_batch(indices, epoch, batch_no)` returns (encoded arrays, speeds); `finish(indices,
+    `read_batch(indices, epoch, batch_no)` returns (the indices it could read, their encoded
+    arrays, their speeds); `finish(indices,
     feats, lens)` builds the FeatureBatch; `diagnose(indices)` names a bad file in a batch
     DALI failed on. All three come from `rnnt.data.loader`, which owns file and token access.
     """
@@ -176,7 +187,7 @@ class DaliFeatureIterator:
         cfg: FeaturesConfig,
         train: bool,
         batches,
-        read_batch: Callable[[Sequence[int], int, int], tuple[list, list]],
+        read_batch: Callable[[Sequence[int], int, int], tuple[list[int], list, list]],
         finish: Callable[[Sequence[int], torch.Tensor, torch.Tensor], FeatureBatch],
         diagnose: Callable[[Sequence[int], Exception], Exception],
         max_batch_size: int,
@@ -214,8 +225,8 @@ class DaliFeatureIterator:
                 epoch = owner.epoch
                 start = getattr(owner.batches, "batches_done", 0)
                 for batch_no, indices in enumerate(owner.batches, start=start):
-                    owner._pending.append(indices)
-                    encoded, speeds = owner._read_batch(indices, epoch, batch_no)
+                    kept, encoded, speeds = owner._read_batch(indices, epoch, batch_no)
+                    owner._pending.append(kept)
                     yield encoded, [np.float32(s) for s in speeds]
 
         return _Epoch()
@@ -227,6 +238,18 @@ class DaliFeatureIterator:
 
     def __len__(self) -> int:
         return len(self.batches)
+
+    def generator_state(self) -> dict:
+        """The pipeline's random generators (dither) as of the last batch handed out, as a
+        uint8 tensor (checkpoints hold tensors). DALI's checkpoint accounts for the batches
+        it has prefetched beyond that one."""
+        blob = self.pipeline.checkpoint()
+        return {"dali": torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()}
+
+    def load_generator_state(self, state: dict) -> None:
+        """Continue the generators from `generator_state()`'s result (before iterating)."""
+        blob = bytes(state["dali"].cpu().numpy().tobytes())
+        self.pipeline = build_pipeline(*self._build_args, checkpoint=blob)
 
     def __iter__(self) -> Iterator[FeatureBatch]:
         self._pending.clear()

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from rnnt.config import FeaturesConfig
+from rnnt.errors import UserError
 
 TRIM_WINDOW = 2048  # samples per short-term power window of the silence trim
 NORM_EPSILON = 1e-5  # added to the variance of each mel bin
@@ -56,7 +57,7 @@ RESAMPLE_LOBES = 16
 _RESAMPLE_CHUNK_ELEMS = 1 << 24
 
 
-class AudioFileError(RuntimeError):
+class AudioFileError(UserError, RuntimeError):
     """An audio file that cannot be read; the message names the file."""
 
 

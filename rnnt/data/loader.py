@@ -31,6 +31,7 @@ and dither do not depend on the number of workers, and a resumed run repeats the
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -51,6 +52,8 @@ from rnnt.data.features import (
 from rnnt.data.manifest import Utterance
 from rnnt.data.sampler import BucketingSampler, SequentialBatches
 from rnnt.seeds import derive_seed, rank_seeds
+
+log = logging.getLogger(__name__)
 
 EVAL_SEED = 0
 
@@ -93,14 +96,14 @@ class BatchAssembler:
     def tokens(self, utt: Utterance) -> list[int]:
         if utt.tokens is not None:
             return utt.tokens
+        if not self.train:
+            return []  # scoring reads the transcripts: no out-of-vocabulary stop mid-evaluation
         if self.tokenizer is not None:
             return self.tokenizer.encode(utt.transcript, utt.utt_id)
-        if self.train:
-            raise ValueError(
-                f"utterance {utt.utt_id}: the manifest has no 'tokens' and no tokenizer was "
-                "given (build the manifest with --tokenizer or set data.tokenizer)"
-            )
-        return []
+        raise ValueError(
+            f"utterance {utt.utt_id}: the manifest has no 'tokens' and no tokenizer was "
+            "given (build the manifest with --tokenizer or set data.tokenizer)"
+        )
 
     def __call__(
         self,
@@ -141,6 +144,34 @@ def pad_stack(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
     return out, lens
 
 
+class UnreadableAudio:
+    """What a loader does with the utterances of a batch whose audio cannot be read: stop with
+    the first one's one-line message, or (data.skip_bad) drop them from the batch, log each and
+    count them. The batch shrinks on this rank alone: nothing collective depends on its size
+    (the loss is this rank's batch mean, the optimizer reduces gradients of fixed shapes, the
+    CUDA graphs pad short batches)."""
+
+    def __init__(self, skip: bool) -> None:
+        self.skip = skip
+        self.dropped = 0
+
+    def handle(self, messages: Sequence[str], kept: int) -> None:
+        """`messages`: one per unreadable utterance of a batch that keeps `kept` others."""
+        if not messages:
+            return
+        more = f" (and {len(messages) - 1} more in its batch)" if len(messages) > 1 else ""
+        if not self.skip:
+            raise AudioFileError(messages[0] + more)
+        if kept == 0:
+            raise AudioFileError(
+                f"every utterance of a batch is unreadable, so there is nothing to train on: "
+                f"{messages[0]}{more}"
+            )
+        for message in messages:
+            log.warning("%s; dropped from its batch (data.skip_bad)", message)
+        self.dropped += len(messages)
+
+
 # --------------------------------------------------------------------------------------------
 # torch backend
 
@@ -166,13 +197,18 @@ class AudioDataset(Dataset):
     def __len__(self) -> int:
         return len(self.utts)
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[int, int, torch.Tensor]:
-        """(index, seed, features (F, T) or 16 kHz waveform (S,))."""
+    def __getitem__(self, key: tuple[int, int]) -> tuple[int, int, torch.Tensor | str]:
+        """(index, seed, features (F, T) or 16 kHz waveform (S,)); for a file that cannot be
+        read, its one-line message in place of the tensor (raised in a worker, it would reach
+        the trainer wrapped in the worker's traceback)."""
         index, seed = key
         cfg = self.cfg
         # raw PCM when this worker only decodes: the GPU stage converts it
         raw = self.extractor is None and not self.perturb
-        samples, rate = read_audio(audio_path(self.utts[index], self.dataset_dir), pcm16=raw)
+        try:
+            samples, rate = read_audio(audio_path(self.utts[index], self.dataset_dir), pcm16=raw)
+        except AudioFileError as err:
+            return index, seed, str(err)
         generator = torch.Generator().manual_seed(seed)
         speed = float(draw_speeds(cfg, 1, generator)[0]) if self.perturb else 1.0
         if rate != cfg.sample_rate or speed != 1.0:
@@ -224,10 +260,12 @@ class TorchFeatureLoader:
         device: torch.device,
         assembler: BatchAssembler,
         seed: int,
+        unreadable: UnreadableAudio,
     ) -> None:
         data = cfg.data
         self.device = device
         self.assembler = assembler
+        self.unreadable = unreadable
         self.on_device = data.device == "gpu"
         perturb_on_device = train and data.resampling_device == "gpu"
         worker_extractor = None
@@ -262,6 +300,13 @@ class TorchFeatureLoader:
     def batches(self):
         return self.keyed.batches
 
+    def generator_state(self) -> dict:
+        """Nothing: every random draw is a function of (seed, rank, epoch, batch, slot)."""
+        return {}
+
+    def load_generator_state(self, state: dict) -> None:
+        pass
+
     def set_epoch(self, epoch: int) -> None:
         self.keyed.epoch = epoch
         if hasattr(self.batches, "set_epoch"):
@@ -271,7 +316,8 @@ class TorchFeatureLoader:
         return len(self.keyed)
 
     def __iter__(self) -> Iterator[FeatureBatch]:
-        for indices, batch_seed, padded, lens in self.loader:
+        for indices, batch_seed, padded, lens, unreadable in self.loader:
+            self.unreadable.handle(unreadable, len(indices))
             if self.on_device:
                 feats, lens, host_lens = self._device_features(padded, lens, batch_seed)
                 yield self.assembler(indices, feats, lens, host_lens)
@@ -311,14 +357,20 @@ class TorchFeatureLoader:
         return feats[:, :, : int(host_lens.max())], lens, host_lens
 
 
-def _collate(items: list[tuple[int, int, torch.Tensor]]):
-    """Runs in the workers: (indices, batch seed, padded rows, lengths). Rows are int16 PCM
-    or float32 (resampled, or averaged from several channels); a batch of both is float32."""
-    rows = [row for _, _, row in items]
+def _collate(items: list[tuple[int, int, torch.Tensor | str]]):
+    """Runs in the workers: (indices, batch seed, padded rows, lengths, messages of the
+    unreadable ones). The seed is the whole batch's, dropped utterances or not. Rows are int16
+    PCM or float32 (resampled, or averaged from several channels); a batch of both is float32."""
+    seed = derive_seed(*(s for _, s, _ in items))
+    good = [(i, row) for i, _, row in items if isinstance(row, torch.Tensor)]
+    unreadable = [row for _, _, row in items if isinstance(row, str)]
+    if not good:
+        return [], seed, None, None, unreadable
+    rows = [row for _, row in good]
     if len({row.dtype for row in rows}) > 1:
         rows = [row.float() / 32768 if row.dtype == torch.int16 else row for row in rows]
     padded, lens = pad_stack(rows)
-    return [i for i, _, _ in items], derive_seed(*(s for _, s, _ in items)), padded, lens
+    return [i for i, _ in good], seed, padded, lens, unreadable
 
 
 def _one_thread(_worker_id: int) -> None:
@@ -341,6 +393,7 @@ class DaliFileSource:
         train: bool,
         seed: int,
         rank: int,
+        unreadable: UnreadableAudio,
     ) -> None:
         self.utts = utts
         self.dataset_dir = dataset_dir
@@ -348,17 +401,14 @@ class DaliFileSource:
         self.train = train
         self.seed = seed
         self.rank = rank
+        self.unreadable = unreadable
 
-    def read(self, indices: Sequence[int], epoch: int, batch_no: int) -> tuple[list, list]:
-        encoded = []
-        for i in indices:
-            path = audio_path(self.utts[i], self.dataset_dir)
-            try:
-                encoded.append(np.fromfile(path, dtype=np.uint8))
-            except FileNotFoundError:
-                raise AudioFileError(f"{path}: audio file not found") from None
-            except OSError as err:
-                raise AudioFileError(f"{path}: cannot read audio file ({err})") from None
+    def read(
+        self, indices: Sequence[int], epoch: int, batch_no: int
+    ) -> tuple[list[int], list, list]:
+        """(the indices whose files could be read, their bytes, their speeds). DALI decodes
+        what it is fed: a file it cannot decode stops the run (diagnose) even under
+        data.skip_bad, since a sample cannot be taken out of a batch DALI already holds."""
         if self.train:
             generator = torch.Generator().manual_seed(
                 derive_seed(self.seed, self.rank, epoch, batch_no)
@@ -366,7 +416,21 @@ class DaliFileSource:
             speeds = draw_speeds(self.cfg, len(indices), generator).tolist()
         else:
             speeds = [1.0] * len(indices)
-        return encoded, speeds
+        kept, encoded, kept_speeds, unreadable = [], [], [], []
+        for i, speed in zip(indices, speeds):
+            path = audio_path(self.utts[i], self.dataset_dir)
+            try:
+                encoded.append(np.fromfile(path, dtype=np.uint8))
+            except FileNotFoundError:
+                unreadable.append(f"{path}: audio file not found")
+                continue
+            except OSError as err:
+                unreadable.append(f"{path}: cannot read audio file ({err.strerror or err})")
+                continue
+            kept.append(i)
+            kept_speeds.append(speed)
+        self.unreadable.handle(unreadable, len(kept))
+        return kept, encoded, kept_speeds
 
     def diagnose(self, indices: Sequence[int], err: Exception) -> Exception:
         """The first file among `indices` that does not decode, else DALI's error with the
@@ -433,14 +497,15 @@ def build_loader(
         # a rank's share of a global batch: the micro-batches of one step together
         max_batch = getattr(sampler, "local_batch_size", local_batch)
     assembler = BatchAssembler(utts, train, tokenizer)
+    unreadable = UnreadableAudio(cfg.data.skip_bad)
     if backend == "torch":
         loader = TorchFeatureLoader(
-            cfg, utts, dataset_dir, train, batches, rank, device, assembler, seed
+            cfg, utts, dataset_dir, train, batches, rank, device, assembler, seed, unreadable
         )
     else:
         from rnnt.data.dali import DaliFeatureIterator
 
-        files = DaliFileSource(utts, dataset_dir, cfg.features, train, seed, rank)
+        files = DaliFileSource(utts, dataset_dir, cfg.features, train, seed, rank, unreadable)
         loader = DaliFeatureIterator(
             cfg.features,
             train,
@@ -455,14 +520,20 @@ def build_loader(
             cfg.data.resampling_device,
             device,
         )
-    return SamplerStateLoader(loader)
+    return SamplerStateLoader(loader, unreadable)
 
 
 class SamplerStateLoader:
     """The backend's batches plus the sampler state passthrough for checkpoints."""
 
-    def __init__(self, loader) -> None:
+    def __init__(self, loader, unreadable: UnreadableAudio) -> None:
         self.loader = loader
+        self.unreadable = unreadable
+
+    @property
+    def dropped_utterances(self) -> int:
+        """Utterances this rank's batches left out because their audio could not be read."""
+        return self.unreadable.dropped
 
     def set_epoch(self, epoch: int) -> None:
         self.loader.set_epoch(epoch)
@@ -472,6 +543,14 @@ class SamplerStateLoader:
 
     def __iter__(self) -> Iterator[FeatureBatch]:
         return iter(self.loader)
+
+    def generator_state(self) -> dict:
+        """This rank's pipeline generators that a resume needs beyond the sampler's position
+        (DALI's dither; nothing for the torch backend)."""
+        return self.loader.generator_state()
+
+    def load_generator_state(self, state: dict) -> None:
+        self.loader.load_generator_state(state)
 
     def state_dict(self) -> dict:
         batches = self.loader.batches

@@ -10,6 +10,7 @@ the same root) and stores token ids so that training never tokenizes on the fly.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -30,11 +31,12 @@ from rnnt.data.validate import (
     parallel_map,
     validate_split,
 )
+from rnnt.errors import UserError
 
 _FIELDS = {"utt_id", "audio", "duration", "transcript", "tokens"}
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError, ValueError):
     """A malformed manifest; the message names the file and line."""
 
 
@@ -58,17 +60,18 @@ class Utterance:
         return json.dumps(record, ensure_ascii=False)
 
 
-def _inside(root: Path, rel: str) -> Path | None:
-    """`root / rel` normalized, or None if `rel` is absolute or climbs out of `root`."""
+def _inside(root: str, rel: str) -> str | None:
+    """`root/rel` normalized, or None if `rel` is absolute or climbs out of `root` (string
+    operations: pathlib costs more than the JSON parse on a LibriSpeech-size manifest)."""
     if os.path.isabs(rel):
         return None
     norm = os.path.normpath(rel)
     if norm == ".." or norm.startswith(".." + os.sep) or norm == ".":
         return None
-    return root / norm
+    return f"{root}{os.sep}{norm}"
 
 
-def _parse_line(line: str, where: str, root: Path) -> Utterance:
+def _parse_line(line: str, where: str, root: str) -> Utterance:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
@@ -93,9 +96,9 @@ def _parse_line(line: str, where: str, root: Path) -> Utterance:
     if not math.isfinite(duration) or duration <= 0:
         raise ManifestError(f"{where}: field 'duration' must be positive, got {duration!r}")
     tokens = record.get("tokens")
+    # type() is int, not isinstance: a bool is an int to isinstance
     if tokens is not None and not (
-        isinstance(tokens, list)
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
+        isinstance(tokens, list) and set(map(type, tokens)) <= {int} and min(tokens, default=0) >= 0
     ):
         raise ManifestError(f"{where}: field 'tokens' must be a list of non-negative integers")
     audio = _inside(root, record["audio"])
@@ -103,34 +106,77 @@ def _parse_line(line: str, where: str, root: Path) -> Utterance:
         raise ManifestError(
             f"{where}: audio path {record['audio']!r} escapes the dataset root {root}"
         )
-    return Utterance(record["utt_id"], str(audio), float(duration), record["transcript"], tokens)
+    return Utterance(record["utt_id"], audio, float(duration), record["transcript"], tokens)
 
 
-def read_manifest(path: str | Path, dataset_dir: str | Path) -> list[Utterance]:
-    """Read and check a manifest; each `audio` comes back as an absolute path under
-    `dataset_dir` (relative entries that climb out of it are errors). Files are not opened."""
+def scan_manifest(
+    path: str | Path, dataset_dir: str | Path
+) -> tuple[list[tuple[str, Utterance]], list[tuple[str, str]]]:
+    """Every line of a manifest: ("file:line", Utterance) for each good one, and ("file:line",
+    message) for each bad one, so that a caller can list every problem at once.
+    A manifest that cannot be read at all raises ManifestError. Files are not opened."""
     path = Path(path)
-    root = Path(os.path.abspath(dataset_dir))
+    root = os.path.abspath(dataset_dir)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ManifestError(f"{path}: manifest not found") from None
     except UnicodeDecodeError as err:
         raise ManifestError(f"{path}: not UTF-8 text ({err})") from None
-    utts: list[Utterance] = []
+    except OSError as err:
+        raise ManifestError(f"{path}: cannot be read ({err.strerror or err})") from None
+    # millions of small objects and no reference cycles: at LibriSpeech's size the collector's
+    # passes over them cost a third of the parse
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _scan_lines(text, str(path), root)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _scan_lines(
+    text: str, path: str, root: str
+) -> tuple[list[tuple[str, Utterance]], list[tuple[str, str]]]:
+    entries: list[tuple[str, Utterance]] = []
+    problems: list[tuple[str, str]] = []
     first_line: dict[str, int] = {}
     for lineno, line in enumerate(text.splitlines(), 1):
         where = f"{path}:{lineno}"
         if not line.strip():
-            raise ManifestError(f"{where}: blank line")
-        utt = _parse_line(line, where, root)
+            problems.append((where, "blank line"))
+            continue
+        try:
+            utt = _parse_line(line, where, root)
+        except ManifestError as err:
+            problems.append((where, str(err).removeprefix(f"{where}: ")))
+            continue
         if utt.utt_id in first_line:
-            raise ManifestError(
-                f"{where}: duplicate utt_id {utt.utt_id!r} (first at line {first_line[utt.utt_id]})"
-            )
+            first = first_line[utt.utt_id]
+            problems.append((where, f"duplicate utt_id {utt.utt_id!r} (first at line {first})"))
+            continue
         first_line[utt.utt_id] = lineno
-        utts.append(utt)
-    return utts
+        entries.append((where, utt))
+    return entries, problems
+
+
+def read_manifest_entries(path: str | Path, dataset_dir: str | Path) -> list[tuple[str, Utterance]]:
+    """("file:line", Utterance) of every line of a manifest; a bad line raises ManifestError
+    naming it (and how many more there are)."""
+    entries, problems = scan_manifest(path, dataset_dir)
+    if problems:
+        more = f" (and {len(problems) - 1} more bad lines)" if len(problems) > 1 else ""
+        where, message = problems[0]
+        raise ManifestError(f"{where}: {message}{more}")
+    return entries
+
+
+def read_manifest(path: str | Path, dataset_dir: str | Path) -> list[Utterance]:
+    """Read and check a manifest; each `audio` comes back as an absolute path under
+    `dataset_dir` (relative entries that climb out of it are errors). Files are not opened.
+    A bad line raises ManifestError naming it (and how many more there are)."""
+    return [utt for _, utt in read_manifest_entries(path, dataset_dir)]
 
 
 def write_manifest(
@@ -146,7 +192,7 @@ def write_manifest(
         audio = utt.audio
         if root is not None:
             audio = os.path.relpath(os.path.abspath(audio), root)
-        if _inside(Path("."), audio) is None:
+        if _inside(".", audio) is None:
             where = f"dataset root {root}" if root is not None else "the dataset root"
             raise ManifestError(
                 f"{path}: utterance {utt.utt_id}: audio {utt.audio!r} is not inside {where}"
@@ -169,13 +215,23 @@ def write_manifest(
         raise
 
 
-def tokenize(utts: Sequence[Utterance], tokenizer: Tokenizer) -> list[Utterance]:
-    """Copies of `utts` with token ids; a transcript that needs <unk> raises TokenizerError."""
-    out = []
-    for u in utts:
-        tokens = tokenizer.encode(u.transcript, u.utt_id)
+def tokenize(
+    utts: Sequence[Utterance], tokenizer: Tokenizer, wheres: Sequence[str]
+) -> tuple[list[Utterance], Report]:
+    """Copies of `utts` with token ids. One whose transcript needs <unk> (out of the
+    vocabulary) is left out and reported at its place in `wheres` ("file:line"), never kept
+    with an <unk> id."""
+    out, report = [], Report()
+    for u, where in zip(utts, wheres):
+        try:
+            tokens = tokenizer.encode(u.transcript, u.utt_id)
+        except TokenizerError as err:
+            reason = str(err).removeprefix(f"utterance {u.utt_id}: ")
+            report.add("out_of_vocabulary", where, reason, u.utt_id)
+            continue
         out.append(Utterance(u.utt_id, u.audio, u.duration, u.transcript, tokens))
-    return out
+    report.kept = len(out)
+    return out, report
 
 
 # ------------------------------------------------------------------------------ WAV conversion
@@ -236,7 +292,8 @@ def build_manifest(
     """Validate `splits` of `dataset_dir` and return their good utterances, sorted by id within
     each split, with audio paths relative to `dataset_dir`.
 
-    Bad utterances are excluded and reported (`strict` raises DatasetError instead). Only when
+    Bad utterances are excluded and reported (`strict` raises DatasetError instead), and so
+    are transcripts the `tokenizer` cannot encode without <unk>. Only when
     `max_duration` is given (train manifests) are longer utterances dropped; they are counted
     in `report.dropped`. `convert_to_wav` writes `<split>-wav/...wav` and points the manifest at
     it; a file that fails to decode there is excluded like any other bad audio.
@@ -257,13 +314,7 @@ def build_manifest(
         report.merge(split_report)
         kept += valid
     if strict and report.problems:
-        shown = "\n".join(str(p) for p in report.problems[:20])
-        more = len(report.problems) - 20
-        raise DatasetError(
-            f"{root}: {len(report.problems)} validation problems (strict mode):\n{shown}"
-            + (f"\n... and {more} more" if more > 0 else "")
-            + f"\n{report.summary()}"
-        )
+        raise report.strict_error(root)
     if max_duration is not None:
         short = []
         for c in kept:
@@ -303,14 +354,11 @@ def build_manifest(
             raise DatasetError(f"{root}: WAV conversion failed (strict mode)\n{report.summary()}")
         pairs = [(c, a) for c, a in zip(kept, converted) if a]
         kept, audio_paths = [c for c, _ in pairs], [a for _, a in pairs]
-    utts = []
-    for c, audio in zip(kept, audio_paths):
-        tokens = None
-        if tokenizer is not None:
-            try:
-                tokens = tokenizer.encode(c.transcript, c.utt_id)
-            except TokenizerError as err:
-                raise TokenizerError(f"{c.where}: {err}") from None
-        utts.append(Utterance(c.utt_id, audio, c.duration, c.transcript, tokens))
+    utts = [Utterance(c.utt_id, a, c.duration, c.transcript) for c, a in zip(kept, audio_paths)]
+    if tokenizer is not None:
+        utts, out_of_vocabulary = tokenize(utts, tokenizer, [c.where for c in kept])
+        report.merge(out_of_vocabulary)
+        if strict and out_of_vocabulary.problems:
+            raise out_of_vocabulary.strict_error(root, "out-of-vocabulary transcripts")
     report.kept = len(utts)
     return utts, report

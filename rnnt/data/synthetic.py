@@ -32,9 +32,10 @@ from rnnt.data.batch import FeatureBatch
 from rnnt.data.sampler import BucketingSampler, SequentialBatches
 from rnnt.data.text import invalid_characters, normalize_transcript
 from rnnt.data.tokenizer import Tokenizer, train_tokenizer
+from rnnt.errors import UserError
 
 
-class LengthsTableError(ValueError):
+class LengthsTableError(UserError, ValueError):
     pass
 
 

@@ -39,6 +39,7 @@ import soxr
 from tqdm import tqdm
 
 from rnnt.data import wordlist
+from rnnt.errors import UserError
 
 SAMPLE_RATE = 16000
 ESPEAK_RATE = 22050  # espeak-ng's output rate
@@ -82,7 +83,7 @@ UTTERANCES_PER_CHAPTER = 100
 MAX_CHAPTERS_PER_SPEAKER = 1000  # chapter ids are split_code * 1000 + chapter number
 
 
-class CorpusError(RuntimeError):
+class CorpusError(UserError, RuntimeError):
     pass
 
 

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from rnnt.errors import UserError
+
 UNK_ID = 0
 
 
-class TokenizerError(ValueError):
-    pass
+class TokenizerError(UserError, ValueError):
+    """A missing or unusable tokenizer, or text it cannot encode."""
 
 
 def train_tokenizer(texts: Iterable[str], model_prefix: str | Path, vocab_size: int) -> Path:

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import soundfile as sf
 
 from rnnt.data.text import invalid_characters, normalize_transcript
+from rnnt.errors import UserError
 
 AUDIO_SUFFIXES = (".flac", ".wav")
 TRANSCRIPT_SUFFIX = ".trans.txt"
@@ -48,12 +49,14 @@ PROBLEM_KINDS = {
     "whitespace_in_name": "white space in a path",
     "unreadable_transcript": "unreadable transcript file",
     "duplicate_utterance": "duplicate utterance id",
+    # found when a manifest gets token ids (rnnt.data.manifest.tokenize), not by validate_split
+    "out_of_vocabulary": "transcript outside the tokenizer's vocabulary",
 }
 # Not a defect: valid utterances left out on request (train manifests only).
 TOO_LONG = "longer_than_max_duration"
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """The dataset cannot be processed at all, or has problems in strict mode."""
 
 
@@ -100,6 +103,16 @@ class Report:
         """Every problem and every max_duration drop, one per line, then the summary."""
         lines = [str(p) for p in self.problems + self.dropped] + [self.summary()]
         Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    def strict_error(self, source: str | Path, what: str = "validation problems") -> DatasetError:
+        """The error of --strict: the first 20 problems, how many more, and the summary."""
+        shown = "\n".join(str(p) for p in self.problems[:20])
+        more = len(self.problems) - 20
+        return DatasetError(
+            f"{source}: {len(self.problems)} {what} (strict mode):\n{shown}"
+            + (f"\n... and {more} more" if more > 0 else "")
+            + f"\n{self.summary()}"
+        )
 
     def summary(self) -> str:
         lines = [

@@ -3,6 +3,7 @@ non-finite steps. Everything runs through the real data path (FLAC -> features -
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import shutil
@@ -57,12 +58,18 @@ def losses(out: Path) -> dict[int, float]:
     }
 
 
-@pytest.mark.parametrize("encoder_lstm", ["cudnn", "wave"])
-def test_resume_mid_epoch_continues_exactly(corpus, tmp_path, encoder_lstm):
-    """Also with the wave LSTM, whose dropout seeds come from torch's (checkpointed) generator."""
-    lstm = f"model.encoder_lstm={encoder_lstm}"
+@pytest.mark.parametrize(
+    "encoder_lstm,backend",
+    [("cudnn", "torch"), ("wave", "torch"),
+     pytest.param("cudnn", "dali", marks=pytest.mark.skipif(
+         importlib.util.find_spec("nvidia.dali") is None, reason="needs DALI"))],
+)  # fmt: skip
+def test_resume_mid_epoch_continues_exactly(corpus, tmp_path, capsys, encoder_lstm, backend):
+    """Also with the wave LSTM, whose dropout seeds come from torch's (checkpointed) generator,
+    and with DALI, whose dither generator's state the checkpoint holds."""
+    lstm = (f"model.encoder_lstm={encoder_lstm}", f"data.backend={backend}")
     full = tmp_path / "full"
-    trainer = Trainer(make_cfg(corpus, full, lstm), CPU)
+    trainer = Trainer(make_cfg(corpus, full, *lstm), CPU)
     steps_per_epoch = len(trainer.sampler)
     assert steps_per_epoch == 6 and 4 % steps_per_epoch != 0  # the step-4 save is mid-epoch
     trainer.fit()
@@ -81,8 +88,10 @@ def test_resume_mid_epoch_continues_exactly(corpus, tmp_path, encoder_lstm):
     resumed_dir = tmp_path / "resumed"
     (resumed_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "ckpt_e1_s4", resumed_dir / "checkpoints" / "ckpt_e1_s4")
-    resumed = Trainer(make_cfg(corpus, resumed_dir, lstm), CPU)
+    resumed = Trainer(make_cfg(corpus, resumed_dir, *lstm), CPU)
+    capsys.readouterr()
     assert resumed.resume()
+    assert "at epoch 1, step 4; exact" in capsys.readouterr().out
     assert (resumed.progress.epoch, resumed.progress.step, resumed.batches_done) == (1, 4, 4)
     resumed.fit()
     after = losses(resumed_dir)

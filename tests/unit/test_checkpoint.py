@@ -74,6 +74,24 @@ def test_retention_keeps_last_and_best(tmp_path):
     assert names(tmp_path) == ["ckpt_e6_s60"]
 
 
+def test_retention_deletes_only_its_own_run(tmp_path):
+    """Two runs in one folder (an old run's checkpoints kept): each deletes only its own, and
+    an unfinished save of the other is left alone too."""
+    old = CheckpointManager(tmp_path, keep_last=1, run_id="0ld0ld0ld0ld")
+    for step in (10, 20):
+        save(old, step)
+    (tmp_path / "ckpt_e2_s25").mkdir()  # the old run, killed while saving
+    (tmp_path / "ckpt_e2_s25" / "rank0.json").write_text('{"token": "0ld0ld0ld0ld:2:25:3"}')
+    new = CheckpointManager(tmp_path, keep_last=1, run_id="0e50e50e50e5")
+    for step in (30, 40):
+        save(new, step)
+    assert names(tmp_path) == ["ckpt_e2_s20", "ckpt_e2_s25", "ckpt_e4_s40"]
+    record = json.loads((tmp_path / "ckpt_e4_s40" / COMPLETE).read_text())
+    assert record["meta"]["run_id"] == "0e50e50e50e5"
+    save(old, 50)  # the old run again: s20 goes, s25 (older than its newest complete) too
+    assert names(tmp_path) == ["ckpt_e4_s40", "ckpt_e5_s50"]
+
+
 def test_truncated_newest_falls_back_with_error(tmp_path, caplog):
     mgr = CheckpointManager(tmp_path, keep_last=3)
     save(mgr, 10)
@@ -108,6 +126,23 @@ def test_same_size_corruption_is_caught_by_hash(tmp_path, caplog):
         _, checkpoint = mgr.load_latest(both)
     assert checkpoint.path.name == "ckpt_e1_s10"
     assert "SHA-256" in caplog.text
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_tensors_make_a_checkpoint_unusable(tmp_path, caplog, bad):
+    """Bytes flipped before the hash was taken: the file matches its record, but holds NaN."""
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    save(mgr, 10)
+    files = files_for(20)
+    files["rank0"]["shard"][3] = bad  # an optimizer moment, say
+    mgr.save(files, epoch=2, step=20)
+    with caplog.at_level(logging.ERROR, logger="rnnt.checkpoint"):
+        _, checkpoint = mgr.load_latest(both)
+    assert checkpoint.path.name == "ckpt_e1_s10"
+    assert "ckpt_e2_s20/rank0.pt: shard holds NaN or inf values (not a sound state)" in caplog.text
+    with pytest.raises(CheckpointError, match=r"rank0.pt: shard holds NaN or inf"):
+        open_checkpoint(tmp_path / "ckpt_e2_s20").load("rank0")
+    assert open_checkpoint(tmp_path / "ckpt_e2_s20").load("model")["progress"]["step"] == 20
 
 
 def test_all_corrupt_raises(tmp_path):

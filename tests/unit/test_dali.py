@@ -22,6 +22,7 @@ from rnnt.data.dali import TRIM_RESET_INTERVAL
 from rnnt.data.features import AudioFileError, FeatureExtractor, read_audio, trim_silence
 from rnnt.data.loader import build_loader
 from rnnt.data.manifest import Utterance
+from rnnt.data.sampler import BucketingSampler
 from rnnt.data.synthetic_corpus import plan_split, synthesize
 
 dali = pytest.importorskip("nvidia.dali")
@@ -225,6 +226,50 @@ def test_missing_and_corrupt_files_are_named(corpus, tmp_path):
     corrupt = Utterance("corrupt", str(corrupt_path), 1.0, "corrupt")
     err = _first_batch_error(_cfg("dali"), [*good, corrupt])
     assert isinstance(err, AudioFileError) and "corrupt.flac" in str(err)
+
+
+def test_skip_bad_drops_a_file_that_cannot_be_read(corpus, tmp_path):
+    """Dropped before DALI sees it, the batch one shorter; a file DALI cannot decode still
+    stops the run (above), since a fed sample cannot be taken out again."""
+    missing = Utterance("gone", str(tmp_path / "gone.flac"), 1.0, "gone")
+    cfg = _cfg("dali")
+    cfg.data.skip_bad = True
+    cfg.eval.batch_size = 4  # one batch
+    loader = build_loader(cfg, [*corpus[:3], missing], train=False)
+    (batch,) = list(loader)
+    assert sorted(batch.utt_ids) == sorted(u.utt_id for u in corpus[:3])
+    assert batch.feats.shape[0] == 3 and loader.dropped_utterances == 1
+
+
+def test_generator_state_resumes_the_dither_exactly(corpus):
+    """A loader restored from (sampler position, generator state) after one batch gives the
+    second batch bit for bit; one restored from the position alone dithers differently."""
+    cfg = _cfg("dali")
+
+    def loader():
+        sampler = BucketingSampler([u.duration for u in corpus], 2, 1, 0, 1, seed=1)
+        return build_loader(cfg, corpus, train=True, sampler=sampler), sampler
+
+    first, sampler = loader()
+    first.set_epoch(1)
+    batches = iter(first)
+    next(batches)
+    position = sampler.state_dict(batches_done=1)  # DALI has fetched ahead: what was trained
+    generators = first.generator_state()
+    reference = next(batches)
+
+    resumed, resumed_sampler = loader()
+    resumed_sampler.load_state_dict(position)
+    resumed.load_generator_state(generators)
+    resumed.set_epoch(1)
+    again = next(iter(resumed))
+    assert again.utt_ids == reference.utt_ids and torch.equal(again.feats, reference.feats)
+
+    control, control_sampler = loader()
+    control_sampler.load_state_dict(position)
+    control.set_epoch(1)
+    other = next(iter(control))
+    assert other.utt_ids == reference.utt_ids and not torch.equal(other.feats, reference.feats)
 
 
 @pytest.mark.gpu

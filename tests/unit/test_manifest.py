@@ -21,7 +21,7 @@ from rnnt.data.manifest import (
     wav_path,
     write_manifest,
 )
-from rnnt.data.tokenizer import Tokenizer, TokenizerError, train_tokenizer
+from rnnt.data.tokenizer import Tokenizer, train_tokenizer
 from rnnt.data.validate import DatasetError
 
 SR = 16000
@@ -200,11 +200,23 @@ def test_tokenized_manifest_round_trips_to_text(tmp_path):
         assert tok.decode(u.tokens) == u.transcript
 
 
-def test_transcript_needing_unk_is_an_error_naming_the_utterance(tmp_path):
-    _corpus(tmp_path, texts=TEXTS[:2])
+def test_out_of_vocabulary_transcripts_are_excluded_and_counted(tmp_path):
+    """Or fatal under strict; never kept with an <unk> id."""
+    _corpus(tmp_path, texts=["A BAD CAB", "THE QUICK FOX", "DEAD BEEF"])
     model = train_tokenizer(["a b c d e f g h"] * 20, tmp_path / "sp" / "abc", 11)
-    with pytest.raises(TokenizerError, match=r"1240.trans.txt:1: utterance 103-1240-0000: "):
-        build_manifest(tmp_path, ["train-clean-100"], tokenizer=Tokenizer(model))
+    utts, report = build_manifest(tmp_path, ["train-clean-100"], tokenizer=Tokenizer(model))
+    assert [u.utt_id for u in utts] == ["103-1240-0000", "103-1240-0002"]
+    (problem,) = report.problems
+    assert problem.kind == "out_of_vocabulary" and problem.utt_id == "1034-121119-0001"
+    assert str(problem).startswith(
+        "train-clean-100/1034/121119/1034-121119.trans.txt:1: utterance 1034-121119-0001: "
+        "transcript maps to <unk>"
+    )
+    assert report.kept == 2 and "1  transcript outside the tokenizer's vocabulary" in (
+        report.summary()
+    )
+    with pytest.raises(DatasetError, match=r"1 out-of-vocabulary transcripts \(strict mode\)"):
+        build_manifest(tmp_path, ["train-clean-100"], tokenizer=Tokenizer(model), strict=True)
 
 
 def _script(repo_root: Path):
@@ -247,6 +259,29 @@ def test_cli_builds_then_tokenizes(tmp_path, repo_root, capsys):
         u.transcript for u in read_manifest(out, tmp_path / "LS")
     ]
     assert json.loads(tokenized.read_text().splitlines()[0])["audio"].startswith("train-clean-100/")
+
+
+def test_cli_tokenizing_a_manifest_excludes_out_of_vocabulary_lines(tmp_path, repo_root, capsys):
+    _corpus(tmp_path / "LS", texts=["A BAD CAB", "THE QUICK FOX", "DEAD BEEF"])
+    cli = _script(repo_root)
+    raw = tmp_path / "LS" / "raw.jsonl"
+    args = ["--dataset-dir", str(tmp_path / "LS"), "--workers", "1", "--no-progress"]
+    assert cli.main([*args, "--splits", "train-clean-100", "--output", str(raw)]) == 0
+    model = train_tokenizer(["a b c d e f g h"] * 20, tmp_path / "sp" / "abc", 11)
+    out = tmp_path / "LS" / "tokens.jsonl"
+    args = ["--dataset-dir", str(tmp_path / "LS"), "--from-manifest", str(raw)]
+    args += ["--tokenizer", str(model), "--output", str(out)]
+    capsys.readouterr()
+    assert cli.main(args) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"{raw}:3: utterance 1034-121119-0001: transcript maps to")
+    assert "2 utterances kept, 1 excluded by validation" in captured.out
+    assert [u.utt_id for u in read_manifest(out, tmp_path / "LS")] == [
+        "103-1240-0000", "103-1240-0002"
+    ]  # fmt: skip
+    assert cli.main([*args, "--strict"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {raw}: 1 out-of-vocabulary transcripts (strict mode):\n")
 
 
 def test_preprocess_chain_builds_then_skips_finished_stages(tmp_path, repo_root):

@@ -54,6 +54,23 @@ def test_step_and_eval_lines_and_records(tmp_path, capsys):
                   "seconds": 1.93}  # fmt: skip
 
 
+def test_the_run_record_and_the_dropped_utterances(tmp_path, capsys):
+    with RunLog(tmp_path, is_main=True) as log:
+        log.run("3f9c0a1b22d4", 1234567, world_size=8, resumed=False)
+        log.step(step=3, epoch=1, loss=9.5, lr=1e-3, loss_scale=1.0, skipped_steps=0,
+                 window=window(mfu=None, peak_memory_gib=None), dropped_utterances=2)  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith(
+        "] run 3f9c0a1b22d4 (fresh): seed 1234567, 8 rank(s) derive theirs from it"
+    )
+    assert out[1].endswith("| loss scale 1 | skipped steps 0 | dropped utterances 2")
+    run, train = read_metrics(tmp_path / METRICS_FILE)
+    assert run.pop("time") > 0
+    assert run == {"kind": "run", "run_id": "3f9c0a1b22d4", "seed": 1234567, "world_size": 8,
+                   "resumed": False}  # fmt: skip
+    assert train["dropped_utterances"] == 2
+
+
 def test_non_finite_values_stay_valid_json(tmp_path):
     with RunLog(tmp_path) as log:
         log.step(step=1, epoch=1, loss=float("nan"), lr=1e-3, loss_scale=256.0,

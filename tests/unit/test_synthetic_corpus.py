@@ -218,7 +218,8 @@ def test_cli_reports_summary_and_errors(tmp_path, repo_root):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["utterances"] == {"train": 1, "dev": 1}
     other = subprocess.run(cmd[:-1] + ["2"], capture_output=True, text=True)
-    assert other.returncode == 1 and "--force" in other.stderr
+    assert other.returncode == 2 and "--force" in other.stderr
+    assert other.stderr.count("\n") == 1 and other.stderr.startswith("error: ")
 
 
 def test_round_trip_through_manifest_and_tokenizer(digits, tmp_path, repo_root):

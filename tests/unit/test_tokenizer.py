@@ -136,7 +136,8 @@ def test_script_from_transcripts_and_its_errors(repo_root, tmp_path):
     done = run_script(
         repo_root, "--manifests", bad_json, "--vocab-size", 20, "--output-prefix", tmp_path / "x"
     )
-    assert done.returncode == 1 and f"{bad_json}:2" in done.stderr
+    assert done.returncode == 2 and f"{bad_json}:2" in done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
 
     digits_line = tmp_path / "digit.txt"
     digits_line.write_text("one two\nroom 101\n")
@@ -149,4 +150,4 @@ def test_script_from_transcripts_and_its_errors(repo_root, tmp_path):
         "--output-prefix",
         tmp_path / "y",
     )
-    assert done.returncode == 1 and f"{digits_line}:2" in done.stderr and "'1" in done.stderr
+    assert done.returncode == 2 and f"{digits_line}:2" in done.stderr and "'1" in done.stderr

@@ -1,0 +1,242 @@
+"""train.py as a user meets it: each mistake ends in one `error:` line that names the file,
+line or key, with exit status 2 and no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from rnnt.cli.train import main
+from rnnt.run_log import METRICS_FILE, read_metrics
+
+TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
+
+
+def train(capsys, *argv) -> tuple[int, str]:
+    """Exit status and the last line on stderr of `train.py configs/tiny.yaml ARGV`."""
+    status = main([str(TINY), *map(str, argv)])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    return status, lines[-1] if lines else ""
+
+
+def one_line_error(capsys, *argv) -> str:
+    status, last = train(capsys, *argv)
+    assert status == 2 and last.startswith("error: "), last
+    return last
+
+
+def test_unknown_data_device_names_the_key(capsys, tiny_sets, tmp_path):
+    line = one_line_error(capsys, *tiny_sets(tmp_path / "out", "data.device=tpu"))
+    assert line == "error: data.device = 'tpu': expected cpu or gpu"
+
+
+def test_misspelled_backend_in_the_file_names_the_key(capsys, tiny_sets, tmp_path):
+    config = tmp_path / "mine.yaml"
+    config.write_text(f"base: {TINY}\ndata:\n  backend: dalii\n")
+    sets = tiny_sets(tmp_path / "out")
+    at = sets.index("data.backend=torch")
+    del sets[at - 1 : at + 1]  # the file's value stands
+    status = main([str(config), *sets])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1
+    assert err[0] == "error: data.backend = 'dalii': expected one of auto, dali, torch or synthetic"
+
+
+def test_missing_manifest(capsys, tiny_sets, tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    line = one_line_error(capsys, *tiny_sets(tmp_path / "out", f"data.train_manifests=[{missing}]"))
+    assert line == f"error: {missing}: manifest not found"
+
+
+def test_bad_json_names_the_line(capsys, tiny_sets, tmp_path, corpus):
+    manifest = tmp_path / "train.jsonl"
+    good = (corpus["root"] / "train.jsonl").read_text().splitlines()
+    manifest.write_text("\n".join([good[0], '{"utt_id": "x", "audio": ', *good[1:]]) + "\n")
+    line = one_line_error(
+        capsys, *tiny_sets(tmp_path / "out", f"data.train_manifests=[{manifest}]")
+    )
+    assert line.startswith(f"error: {manifest}:2: not valid JSON")
+
+
+def test_missing_tokenizer(capsys, tiny_sets, tmp_path):
+    line = one_line_error(
+        capsys, *tiny_sets(tmp_path / "out", f"data.tokenizer={tmp_path}/t.model")
+    )
+    assert line == f"error: tokenizer model not found: {tmp_path}/t.model"
+
+
+def test_tokenizer_that_does_not_fit_the_model(capsys, tiny_sets, tmp_path):
+    line = one_line_error(capsys, *tiny_sets(tmp_path / "out", "model.n_classes=25"))
+    assert "model.n_classes=25 but tokenizer" in line and "has 20 pieces" in line
+
+
+def test_output_dir_that_is_a_file(capsys, tiny_sets, tmp_path):
+    out = tmp_path / "out"
+    out.write_text("")
+    line = one_line_error(capsys, *tiny_sets(out))
+    assert line == f"error: training.output_dir {out}: exists and is not a directory"
+
+
+def test_output_dir_that_cannot_be_created(capsys, tiny_sets, tmp_path):
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out"
+    line = one_line_error(capsys, *tiny_sets(out))
+    assert line == f"error: training.output_dir {out}: cannot be created (Not a directory)"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_machine_without_it(capsys, tiny_sets, tmp_path):
+    line = one_line_error(capsys, "--device", "cuda", *tiny_sets(tmp_path / "out"))
+    assert line == "error: --device cuda: this machine has no CUDA device (use --device cpu)"
+
+
+def with_lines(corpus: dict, out: Path, name: str, *records: dict) -> Path:
+    """A copy of the corpus manifest `name` with `records` appended."""
+    manifest = out / f"{name}.jsonl"
+    lines = (corpus["root"] / f"{name}.jsonl").read_text().splitlines()
+    manifest.write_text("\n".join([*lines, *map(json.dumps, records)]) + "\n")
+    return manifest
+
+
+def test_preflight_lists_every_bad_utterance_before_training(capsys, tiny_sets, tmp_path, corpus):
+    first = json.loads((corpus["root"] / "train.jsonl").read_text().splitlines()[0])
+    os.symlink("/etc/passwd", corpus["root"] / "passwd.flac")
+    try:
+        train_manifest = with_lines(
+            corpus, tmp_path, "train",
+            {**first, "utt_id": "gone", "audio": "train/gone.flac"},
+            {**first, "utt_id": "big", "tokens": [3, 999, 4]},
+            {**first, "utt_id": "passwd", "audio": "passwd.flac"},
+        )  # fmt: skip
+        dev = json.loads((corpus["root"] / "dev.jsonl").read_text().splitlines()[0])
+        dev_manifest = with_lines(
+            corpus, tmp_path, "dev", {**dev, "utt_id": "x", "audio": "x.flac"}
+        )
+        status = main(
+            [
+                str(TINY),
+                *tiny_sets(
+                    tmp_path / "out",
+                    f"data.train_manifests=[{train_manifest}]",
+                    f"data.val_manifests=[{dev_manifest}]",
+                ),
+            ]
+        )
+    finally:
+        (corpus["root"] / "passwd.flac").unlink()
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    root = corpus["root"]
+    assert status == 2 and "Traceback" not in captured.err
+    assert lines[0] == (
+        f"error: {train_manifest}:49: utterance gone: audio file not found: {root}/train/gone.flac"
+    )
+    assert lines[1].startswith(f"{train_manifest}:50: utterance big: token id 999 is outside")
+    assert lines[2] == (
+        f"{train_manifest}:51: utterance passwd: {root}/passwd.flac resolves to /etc/passwd, "
+        f"outside the dataset root {root}"
+    )
+    assert lines[3].startswith(f"{dev_manifest}:13: utterance x: audio file not found")
+    assert lines[4].startswith("preflight: 4 problems (2 audio file not found, 1 audio outside")
+    assert "epoch 1 step" not in captured.out  # not one training step
+
+
+@pytest.fixture
+def garbage(corpus):
+    """An audio file inside the corpus that passes the preflight (a non-empty file) but does
+    not decode, as a file corrupted after validation would."""
+    path = corpus["root"] / "garbage.flac"
+    path.write_bytes(b"fLaC" + bytes(range(256)) * 8)
+    yield path
+    path.unlink()
+
+
+def corrupted_train_manifest(corpus: dict, out: Path, garbage: Path) -> Path:
+    """The train manifest with its 5th utterance's audio replaced by `garbage`."""
+    records = [json.loads(r) for r in (corpus["root"] / "train.jsonl").read_text().splitlines()]
+    records[4]["audio"] = garbage.name
+    manifest = out / "train.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return manifest
+
+
+def test_an_unreadable_utterance_in_training_stops_in_one_line(
+    capsys, tiny_sets, tmp_path, corpus, garbage
+):
+    manifest = corrupted_train_manifest(corpus, tmp_path, garbage)
+    line = one_line_error(
+        capsys, *tiny_sets(tmp_path / "out", f"data.train_manifests=[{manifest}]")
+    )
+    assert line.startswith(f"error: {garbage}: cannot decode audio (")
+
+
+def test_skip_bad_trains_on_the_rest_and_counts(
+    capsys, caplog, tiny_sets, tmp_path, corpus, garbage
+):
+    """Bad utterances the preflight finds are excluded before training; one that cannot be
+    decoded is dropped from its batch when it comes, and counted."""
+    first = json.loads((corpus["root"] / "train.jsonl").read_text().splitlines()[0])
+    manifest = with_lines(
+        corpus, tmp_path, "train",
+        {**first, "utt_id": "gone", "audio": "train/gone.flac"},
+        {**first, "utt_id": "big", "tokens": [3, 999, 4]},
+    )  # fmt: skip
+    lines = manifest.read_text().splitlines(True)
+    lines[4] = json.dumps({**json.loads(lines[4]), "audio": garbage.name}) + "\n"
+    manifest.write_text("".join(lines))
+    dev = tmp_path / "dev.jsonl"  # two utterances: the evaluation is not what is tested
+    dev.write_text("".join((corpus["root"] / "dev.jsonl").read_text().splitlines(True)[:2]))
+    sets = tiny_sets(
+        tmp_path / "out", f"data.train_manifests=[{manifest}]", f"data.val_manifests=[{dev}]",
+        "data.skip_bad=true",
+    )  # fmt: skip
+    status = main([str(TINY), *sets])
+    captured = capsys.readouterr()
+    assert status == 1  # trained, the target not reached
+    assert (
+        "(48 train, 2 dev kept); 2 excluded by data.skip_bad: 1 audio file not found, "
+        "1 token id outside the model's classes" in captured.out
+    )
+    assert f"excluded: {manifest}:49: utterance gone" in captured.out
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith(f"{garbage}: cannot decode audio (")
+    assert warning.endswith("; dropped from its batch (data.skip_bad)")
+    assert "epoch 1 step 6 " in captured.out
+    last = [r for r in read_metrics(tmp_path / "out" / METRICS_FILE) if r["kind"] == "train"][-1]
+    assert last["step"] == 6 and last["dropped_utterances"] == 1
+
+
+def test_runs_never_mix_in_one_output_dir(capsys, tiny_sets, tmp_path, corpus):
+    out = tmp_path / "out"
+    (out / "checkpoints" / "ckpt_e3_s30").mkdir(parents=True)  # an earlier run's
+    dev = tmp_path / "dev.jsonl"  # two utterances: the evaluation is not what is tested
+    dev.write_text("".join((corpus["root"] / "dev.jsonl").read_text().splitlines(True)[:2]))
+    sets = tiny_sets(out, f"data.val_manifests=[{dev}]", "training.seed=null")
+    assert one_line_error(capsys, *sets) == (
+        f"error: training.output_dir {out} holds 1 checkpoint(s) of an earlier run (newest "
+        "ckpt_e3_s30): continue it with --resume, train into another training.output_dir, or "
+        "pass --overwrite to delete them"
+    )
+    assert main([str(TINY), "--overwrite", *sets]) == 1  # trained: the target not reached
+    printed = capsys.readouterr().out
+    (run,) = [r for r in read_metrics(out / METRICS_FILE) if r["kind"] == "run"]
+    assert f"run {run['run_id']} (fresh): seed {run['seed']}, 1 rank(s)" in printed
+    assert f"run {run['run_id']}: target NOT reached" in printed
+    (checkpoint,) = (out / "checkpoints").iterdir()  # the earlier run's is gone
+    meta = json.loads((checkpoint / "complete.json").read_text())["meta"]
+    assert (meta["run_id"], meta["seed"]) == (run["run_id"], run["seed"])
+    mlperf = (out / "mlperf.log").read_text()
+    assert f'"key": "seed", "value": {run["seed"]},' in mlperf
+
+    assert main([str(TINY), "--resume", *sets]) == 1
+    again = [r for r in read_metrics(out / METRICS_FILE) if r["kind"] == "run"]
+    assert [(r["run_id"], r["seed"], r["resumed"]) for r in again] == [
+        (run["run_id"], run["seed"], False),
+        (run["run_id"], run["seed"], True),
+    ]
