@@ -33,7 +33,9 @@ def one_line_error(capsys, *argv) -> str:
 
 def test_unknown_data_device_names_the_key(capsys, tiny_sets, tmp_path):
     line = one_line_error(capsys, *tiny_sets(tmp_path / "out", "data.device=tpu"))
-    assert line == "error: data.device = 'tpu': expected cpu or gpu"
+    assert line == (
+        "error: override 'data.device=tpu': data.device: expected one of 'cpu', 'gpu', got 'tpu'"
+    )
 
 
 def test_misspelled_backend_in_the_file_names_the_key(capsys, tiny_sets, tmp_path):
@@ -45,7 +47,10 @@ def test_misspelled_backend_in_the_file_names_the_key(capsys, tiny_sets, tmp_pat
     status = main([str(config), *sets])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1
-    assert err[0] == "error: data.backend = 'dalii': expected one of auto, dali, torch or synthetic"
+    assert err[0] == (
+        f"error: {config}: data.backend: expected one of 'auto', 'dali', 'torch', 'synthetic', "
+        "got 'dalii'"
+    )
 
 
 def test_missing_manifest(capsys, tiny_sets, tmp_path):

@@ -77,7 +77,7 @@ def test_resume_mid_epoch_continues_exactly(corpus, tmp_path, capsys, encoder_ls
     assert sorted(reference) == list(range(1, 13))
     (chosen,) = [r for r in read_metrics(full / "metrics.jsonl") if r["kind"] == "backends"]
     assert [chosen[k] for k in ("data", "encoder_lstm", "loss", "lamb")] == [
-        "torch/cpu",
+        f"{backend}/cpu",
         encoder_lstm,
         "reference",
         "torch",
