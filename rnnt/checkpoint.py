@@ -1,8 +1,9 @@
 """Atomic, verifiable, sharded training checkpoints with retention and fall-back.
 
-A checkpoint is a directory `ckpt_e{epoch}_s{step}/` in which every rank writes its own files in
-parallel: rank 0 `model.pt` (the model, the EMA, the run's progress and config), and each rank
-`rank{r}.pt` (its optimizer shard and its random-number generators). Each file is a torch.save
+A checkpoint is a directory `ckpt_e{epochs}_s{steps}/` (the epochs and optimizer steps completed
+when it was taken) in which every rank writes its own files in parallel: rank 0 `model.pt` (the
+model, the EMA, the run's progress and config), and each rank `rank{r}.pt` (its optimizer shard
+and its random-number generators). Each file is a torch.save
 of tensors, numbers, strings, lists and dicts (nothing that needs pickle: it loads with
 `torch.load(weights_only=True)`), written to a temporary name, fsynced and renamed; then a
 sidecar `NAME.json` records its size and SHA-256. Rank 0 writes `complete.json` last, once every
@@ -245,7 +246,8 @@ class CheckpointManager:
         meta: dict | None = None,
         background: bool = False,
     ) -> Path:
-        """Write this rank's `files` (name -> state) into the checkpoint of (epoch, step).
+        """Write this rank's `files` (name -> state) into the checkpoint of (epoch, step): the
+        epochs and steps completed, which name it (`ckpt_e{epoch}_s{step}`).
 
         Rank 0 also commits the checkpoint once every rank's files are written. The states are
         first copied to host memory, so training may change its tensors as soon as this

@@ -398,7 +398,9 @@ class Trainer:
         the files while training goes on."""
         return self.checkpoints.save(
             self.state_files(),
-            epoch=self.progress.epoch,
+            # named after the epochs it closes: ckpt_e5 holds the state after epoch 5 (a save
+            # inside epoch 6 too); progress.epoch inside it is the epoch to run next
+            epoch=self.progress.epoch - 1,
             step=self.progress.step,
             meta={"wer": wer, "seed": self.cfg.training.seed},  # and the run id
             background=background,

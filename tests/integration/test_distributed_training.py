@@ -246,7 +246,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one(corpus, tmp_path):
     proc = run(command(2, *sets(corpus, two, 4, *extra)))
     assert "target NOT reached" in proc.stdout, proc.stderr[-3000:]
     (one / "checkpoints").mkdir(parents=True)
-    shutil.copytree(two / "checkpoints" / "ckpt_e1_s4", one / "checkpoints" / "ckpt_e1_s4")
+    shutil.copytree(two / "checkpoints" / "ckpt_e0_s4", one / "checkpoints" / "ckpt_e0_s4")
     proc = run(command(1, "--resume", *sets(corpus, one, 8, *extra)))
     assert "; NOT exact: it was written by 2 rank(s)" in proc.stdout, (
         proc.stdout[-3000:] + proc.stderr[-2000:]

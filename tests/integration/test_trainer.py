@@ -82,12 +82,16 @@ def test_resume_mid_epoch_continues_exactly(corpus, tmp_path, capsys, encoder_ls
         "reference",
         "torch",
     ]
+    # named after the epochs they close: every 4 steps, after epoch 1, and the final state
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == [
+        "ckpt_e0_s4", "ckpt_e1_s12", "ckpt_e1_s6", "ckpt_e1_s8", "ckpt_e2_s12"
+    ]  # fmt: skip
     final = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     final_ema = [w.clone() for w in trainer.ema.weights]
 
     resumed_dir = tmp_path / "resumed"
     (resumed_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(full / "checkpoints" / "ckpt_e1_s4", resumed_dir / "checkpoints" / "ckpt_e1_s4")
+    shutil.copytree(full / "checkpoints" / "ckpt_e0_s4", resumed_dir / "checkpoints" / "ckpt_e0_s4")
     resumed = Trainer(make_cfg(corpus, resumed_dir, *lstm), CPU)
     capsys.readouterr()
     assert resumed.resume()
@@ -297,7 +301,9 @@ def test_only_the_final_state_is_saved_when_the_run_asks_for_no_checkpoints(corp
     cfg = make_cfg(corpus, out, "training.save_every_epochs=0", "training.checkpoint_every_steps=0")
     trainer = Trainer(cfg, CPU)
     trainer.fit()
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["ckpt_e3_s12"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "ckpt_e2_s12"
+    ]  # after 2 epochs
     resumed = Trainer(cfg, CPU)
     assert resumed.resume() and resumed.progress.step == 12
     for a, b in zip(resumed.model.parameters(), trainer.model.parameters()):
