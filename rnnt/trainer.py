@@ -23,7 +23,7 @@ from rnnt.data.batch import FeatureBatch
 from rnnt.data.loader import build_loader
 from rnnt.data.manifest import Utterance
 from rnnt.data.preflight import load_tokenizer
-from rnnt.data.sampler import BucketingSampler
+from rnnt.data.sampler import BucketingSampler, SamplerStateError
 from rnnt.data.synthetic import SyntheticFeatureSource, tokenizer_for_lengths_table
 from rnnt.distributed import (
     DistContext,
@@ -326,7 +326,13 @@ class Trainer:
         self.scaler.load_state_dict(main["scaler"])
         p = main["progress"]
         self.progress = Progress(int(p["epoch"]), int(p["step"]), float(p["best_wer"]))
-        self.sampler.load_state_dict(main["sampler"])
+        try:
+            self.sampler.load_state_dict(main["sampler"])
+        except SamplerStateError as err:
+            raise SamplerStateError(
+                f"{checkpoint.path}: {err}; resume with the manifests and batch settings it was "
+                "trained with, or start a fresh run"
+            ) from None
         self.batches_done = int(main["sampler"]["batches_done"])
         self.run_id = checkpoint.meta.get("run_id", self.run_id)  # older checkpoints have none
         self.checkpoints.run_id = self.run_id

@@ -30,6 +30,13 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from rnnt.errors import UserError
+
+
+class SamplerStateError(UserError, ValueError):
+    """A saved sampler position that does not fit this sampler (another training set or
+    batching than the checkpoint's)."""
+
 
 def durations_fingerprint(durations: np.ndarray) -> str:
     """SHA-256 of the float64 durations: detects resuming against a different dataset."""
@@ -190,20 +197,20 @@ class BucketingSampler:
         expected = self.state_dict()
         missing = sorted(set(expected) - set(state))
         if missing:
-            raise ValueError(f"sampler state lacks keys {missing}")
+            raise SamplerStateError(f"sampler state lacks keys {missing}")
         for key in ("num_utterances", "durations_sha256", "global_batch_size", "num_buckets"):
             if state[key] != expected[key]:
-                raise ValueError(
+                raise SamplerStateError(
                     f"sampler state was saved with {key} = {state[key]!r} but this sampler has "
                     f"{expected[key]!r}: the training set or batching changed since the checkpoint"
                 )
         if not 0 <= state["batches_done"] <= self.num_batches:
-            raise ValueError(
+            raise SamplerStateError(
                 f"sampler state batches_done = {state['batches_done']} is outside "
                 f"[0, {self.num_batches}]"
             )
         if state["epoch"] < 0 or state["seed"] < 0:
-            raise ValueError(f"sampler state has a negative epoch or seed: {state}")
+            raise SamplerStateError(f"sampler state has a negative epoch or seed: {state}")
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         self.batches_done = int(state["batches_done"])
