@@ -14,8 +14,9 @@ Checks, each problem named by its manifest `file:line`:
 
 A missing manifest or tokenizer is fatal. A bad utterance is fatal too, unless
 `data.skip_bad`: then it is excluded and counted. The audio files are only stat'ed, in a
-thread pool (the calls release the GIL, which matters on network file systems); the decoding
-checks of `rnnt.data.validate` belong to dataset preparation.
+thread pool when the stat calls wait on I/O (they release the GIL, so the waits of a network
+file system overlap); the decoding checks of `rnnt.data.validate` belong to dataset
+preparation.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ KINDS = {
     "out_of_vocabulary": "out-of-vocabulary transcript",
 }
 STAT_THREADS = 16
+STAT_PROBE = 2_000  # files stat'ed first, alone, to tell cached metadata from waiting I/O
+SLOW_STAT_S = 50e-6  # a cached stat takes a few microseconds, a network round trip hundreds
 
 
 class PreflightError(UserError):
@@ -113,10 +116,14 @@ def _inside(path: str, root: str) -> bool:
 
 
 def check_audio_files(
-    paths: Sequence[str], dataset_dir: str, threads: int = STAT_THREADS
+    paths: Sequence[str],
+    dataset_dir: str,
+    threads: int = STAT_THREADS,
+    slow_stat_s: float = SLOW_STAT_S,
 ) -> list[tuple[str, str] | None]:
     """(kind, message) for each path that is not a non-empty regular file inside the dataset
-    root once symlinks are resolved, None for each good one."""
+    root once symlinks are resolved, None for each good one. `threads` stat the files after
+    the first STAT_PROBE when those took more than `slow_stat_s` each (0: always)."""
     root = os.path.realpath(dataset_dir)
     real_dirs: dict[str, str] = {}  # a few thousand directories hold the files
 
@@ -149,10 +156,19 @@ def check_audio_files(
     def check_chunk(chunk: Sequence[str]) -> list[tuple[str, str] | None]:
         return [check(p) for p in chunk]
 
-    size = max(1, -(-len(paths) // threads))
-    chunks = [paths[i : i + size] for i in range(0, len(paths), size)]
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(chunks)))) as pool:
-        return [result for part in pool.map(check_chunk, chunks) for result in part]
+    # Threads pay only where a stat waits on a disk or a file server; on cached metadata they
+    # contend for the GIL instead (16 threads took 4x as long as one on 2 cores:
+    # docs/PERFORMANCE.md). The first files tell which it is.
+    start = time.perf_counter()
+    head = check_chunk(paths[:STAT_PROBE])
+    rest = paths[STAT_PROBE:]
+    slow = (time.perf_counter() - start) / max(1, len(head)) >= slow_stat_s
+    if threads <= 1 or not rest or not slow:
+        return head + check_chunk(rest)
+    size = max(1, -(-len(rest) // threads))
+    chunks = [rest[i : i + size] for i in range(0, len(rest), size)]
+    with ThreadPoolExecutor(max_workers=min(threads, len(chunks))) as pool:
+        return head + [result for part in pool.map(check_chunk, chunks) for result in part]
 
 
 def _token_problem(tokens: list[int], n_classes: int) -> tuple[str, str] | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rnnt.config import DataConfig
-from rnnt.data.preflight import PreflightError, preflight
+from rnnt.data.preflight import STAT_PROBE, PreflightError, check_audio_files, preflight
 from rnnt.data.tokenizer import Tokenizer, train_tokenizer
 
 N_CLASSES = 12  # 11 pieces + blank
@@ -166,3 +166,20 @@ def test_the_fingerprint_tells_ranks_that_disagree(data, tmp_path):
     assert preflight(data, N_CLASSES).fingerprint() == same
     (Path(data.dataset_dir) / "train" / "u1.wav").unlink()  # what another node might see
     assert preflight(data, N_CLASSES).fingerprint() != same
+
+
+def test_the_stat_threads_give_the_verdicts_of_one(tmp_path):
+    """The thread pool (forced: on cached metadata the preflight stats alone) sees what a
+    single thread sees, in order, past the files it probes alone."""
+    root = tmp_path / "root"
+    (root / "a").mkdir(parents=True)
+    paths = []
+    for i in range(STAT_PROBE + 300):
+        path = root / "a" / f"{i}.wav"
+        if i % 97:  # every 97th is missing
+            path.write_bytes(b"RIFF")
+        paths.append(str(path))
+    alone = check_audio_files(paths, str(root), threads=1)
+    pooled = check_audio_files(paths, str(root), threads=4, slow_stat_s=0.0)
+    assert pooled == alone
+    assert [i for i, v in enumerate(alone) if v] == list(range(0, STAT_PROBE + 300, 97))
