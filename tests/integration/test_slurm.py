@@ -118,6 +118,12 @@ def _wait(job: str, env: dict, timeout: float = 400) -> dict[str, str]:
     raise AssertionError(f"job {job} did not end: {_job(job, env)}")
 
 
+def _slurmd_errors(root: Path) -> str:
+    log = root / "log" / "slurmd.log"
+    lines = log.read_text().splitlines() if log.is_file() else []
+    return "\n".join(line for line in lines if "error" in line)[-3000:]
+
+
 def _submit(slurm: dict, corpus: dict, out: Path, *extra: str) -> str:
     root = corpus["root"]
     sets = [
@@ -194,10 +200,15 @@ def test_an_interrupted_job_saves_requeues_and_resumes(slurm, corpus, tmp_path, 
     while not (_job(job, env).get("JobState") == "PENDING" and _job(job, env)["Restarts"] == "1"):
         assert time.monotonic() < deadline, _job(job, env)
         time.sleep(0.5)
+    # slurmd refuses a job whose credential is no newer than the revocation of its previous
+    # run, comparing whole seconds ("Job credential revoked"): started within the second of
+    # the requeue, the job fails without running
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
     info = _wait(job, env, timeout=600)
     log = Path(f"{out}.log").read_text()
     assert int(info["Restarts"]) == 1, log[-3000:]
+    assert info["StartTime"] != info["EndTime"], (info, _slurmd_errors(slurm["root"]))
     assert "preempted: state saved in" in log and "resumed from" in log, log[-3000:]
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
     # 3 epochs of 4 steps, each logged once: saved at a log point, resumed after it
