@@ -3,7 +3,7 @@
 `{"utt_id": "1272-128104-0000", "audio": "dev-clean/1272/128104/1272-128104-0000.flac",
 "duration": 5.855, "transcript": "mister quilter ...", "tokens": [12, 5, ...]}`
 
-`build_manifest` walks LibriSpeech-layout splits through `rnnt.data.validate`, optionally
+`build_manifest` walks LibriSpeech-layout splits through `rnnt.prep.validate`, optionally
 converts FLAC to 16-bit WAV (into `<split>-wav/`, beside the split, so paths stay relative to
 the same root) and stores token ids so that training never tokenizes on the fly.
 """
@@ -22,7 +22,8 @@ from pathlib import Path
 import soundfile as sf
 
 from rnnt.data.tokenizer import Tokenizer, TokenizerError
-from rnnt.data.validate import (
+from rnnt.errors import UserError
+from rnnt.prep.validate import (
     TOO_LONG,
     Candidate,
     DatasetError,
@@ -31,7 +32,6 @@ from rnnt.data.validate import (
     parallel_map,
     validate_split,
 )
-from rnnt.errors import UserError
 
 _FIELDS = {"utt_id", "audio", "duration", "transcript", "tokens"}
 

@@ -22,7 +22,7 @@ from rnnt.data.manifest import (
     write_manifest,
 )
 from rnnt.data.tokenizer import Tokenizer, train_tokenizer
-from rnnt.data.validate import DatasetError
+from rnnt.prep.validate import DatasetError
 
 SR = 16000
 TEXTS = [

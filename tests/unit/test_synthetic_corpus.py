@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from rnnt.data import synthetic_corpus as sc
 from rnnt.data.text import ALPHABET
+from rnnt.prep import synthetic_corpus as sc
 
 pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="needs espeak-ng")
 

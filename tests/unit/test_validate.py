@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from rnnt.data.validate import PROBLEM_KINDS, DatasetError, check_audio, validate_split
+from rnnt.prep.validate import PROBLEM_KINDS, DatasetError, check_audio, validate_split
 
 SR = 16000
 
