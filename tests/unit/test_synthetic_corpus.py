@@ -224,8 +224,9 @@ def test_cli_reports_summary_and_errors(tmp_path, repo_root):
 
 def test_round_trip_through_manifest_and_tokenizer(digits, tmp_path, repo_root):
     """corpus -> manifest builder -> train_tokenizer.py on the train manifest -> ids -> text."""
-    from rnnt.data.manifest import build_manifest, read_manifest, write_manifest
+    from rnnt.data.manifest import read_manifest
     from rnnt.data.tokenizer import Tokenizer
+    from rnnt.prep.manifests import build_manifest, write_manifest
 
     # Ten train utterances say every digit, so no dev transcript can need <unk>.
     train, report = build_manifest(digits, ["train"], strict=True)

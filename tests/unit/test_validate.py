@@ -155,7 +155,7 @@ def test_every_problem_is_reported_with_file_line_and_counted(tmp_path):
 
     counts = report.counts()
     # the corpus exercises every kind of the split walk (out_of_vocabulary comes with token
-    # ids: tests/unit/test_manifest.py)
+    # ids: tests/unit/test_manifests.py)
     walk_kinds = set(PROBLEM_KINDS) - {"out_of_vocabulary"}
     assert set(counts) == walk_kinds
     twice = {
