@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from rnnt.config import Config
-from rnnt.data.manifest import Utterance, scan_manifest, write_manifest
+from rnnt.data.manifest import Utterance, scan_manifest
 from rnnt.data.preflight import check_audio_files, preflight
+from rnnt.prep.manifests import write_manifest
 
 # LibriSpeech's training splits: utterances, speakers
 SPLITS = {"train-clean-100": (28_539, 251), "train-clean-360": (104_014, 921),

@@ -41,9 +41,9 @@ def lengths_dir() -> Path:
 def build_digits_corpus(root: Path) -> dict:
     """A spoken-digits corpus of 48 training and 12 dev utterances (espeak-ng), with manifests
     carrying token ids of a 20-piece tokenizer: the real data path at CPU-test size."""
-    from rnnt.data.manifest import build_manifest, tokenize, write_manifest
-    from rnnt.data.synthetic_corpus import build_corpus
     from rnnt.data.tokenizer import Tokenizer, train_tokenizer
+    from rnnt.prep.manifests import build_manifest, tokenize, write_manifest
+    from rnnt.prep.synthetic_corpus import build_corpus
 
     build_corpus(root, "digits", train=48, dev=12, seed=3, workers=2, progress=False)
     train, _ = build_manifest(root, ["train"], max_duration=16.7)

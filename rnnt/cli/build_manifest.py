@@ -16,9 +16,10 @@ import argparse
 import os
 import sys
 
-from rnnt.data.manifest import build_manifest, read_manifest_entries, tokenize, write_manifest
+from rnnt.data.manifest import read_manifest_entries
 from rnnt.data.tokenizer import Tokenizer
 from rnnt.errors import reports_user_errors
+from rnnt.prep.manifests import build_manifest, tokenize, write_manifest
 
 
 @reports_user_errors

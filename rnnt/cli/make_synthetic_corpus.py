@@ -14,13 +14,13 @@ import sys
 import time
 from dataclasses import asdict
 
-from rnnt.data.synthetic_corpus import (
+from rnnt.errors import reports_user_errors
+from rnnt.prep.synthetic_corpus import (
     DEFAULT_DEV_SIZE,
     DURATIONS,
     KINDS,
     build_corpus,
 )
-from rnnt.errors import reports_user_errors
 
 
 @reports_user_errors

@@ -13,8 +13,8 @@ import argparse
 import os
 import sys
 
-from rnnt.data.validate import Report, validate_split
 from rnnt.errors import reports_user_errors
+from rnnt.prep.validate import Report, validate_split
 
 
 @reports_user_errors

@@ -15,7 +15,7 @@ Checks, each problem named by its manifest `file:line`:
 A missing manifest or tokenizer is fatal. A bad utterance is fatal too, unless
 `data.skip_bad`: then it is excluded and counted. The audio files are only stat'ed, in a
 thread pool when the stat calls wait on I/O (they release the GIL, so the waits of a network
-file system overlap); the decoding checks of `rnnt.data.validate` belong to dataset
+file system overlap); the decoding checks of `rnnt.prep.validate` belong to dataset
 preparation.
 """
 

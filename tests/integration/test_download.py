@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from rnnt.data.download import OFFICIAL_MD5, PARTS, DownloadError, main, read_md5_file
+from rnnt.prep.download import OFFICIAL_MD5, PARTS, DownloadError, main, read_md5_file
 
 
 def _archive(part: str, seed: int) -> tuple[bytes, dict[str, bytes]]:

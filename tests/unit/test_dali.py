@@ -23,7 +23,7 @@ from rnnt.data.features import AudioFileError, FeatureExtractor, read_audio, tri
 from rnnt.data.loader import build_loader
 from rnnt.data.manifest import Utterance
 from rnnt.data.sampler import BucketingSampler
-from rnnt.data.synthetic_corpus import plan_split, synthesize
+from rnnt.prep.synthetic_corpus import plan_split, synthesize
 
 dali = pytest.importorskip("nvidia.dali")
 from nvidia.dali import fn, pipeline_def, types  # noqa: E402

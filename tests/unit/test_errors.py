@@ -8,11 +8,11 @@ from rnnt.checkpoint import CheckpointError
 from rnnt.config import ConfigError
 from rnnt.data.features import AudioFileError
 from rnnt.data.manifest import ManifestError
-from rnnt.data.synthetic_corpus import CorpusError
 from rnnt.data.tokenizer import TokenizerError
-from rnnt.data.validate import DatasetError
 from rnnt.distributed import DeviceError
 from rnnt.errors import EXIT_USER_ERROR, UserError, reports_user_errors
+from rnnt.prep.synthetic_corpus import CorpusError
+from rnnt.prep.validate import DatasetError
 from rnnt.run_dir import OutputDirError
 
 

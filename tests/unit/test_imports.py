@@ -1,6 +1,7 @@
 """The package's import graph: acyclic, model code free of logging, data and MLPerf modules,
-the kernels package free of Triton until a kernel is used, and test modules that share helpers
-only through tests/helpers.py and tests/conftest.py."""
+offline preparation (rnnt/prep) out of reach of everything a run imports, the kernels package
+free of Triton until a kernel is used, and test modules that share helpers only through
+tests/helpers.py and tests/conftest.py."""
 
 import ast
 import subprocess
@@ -10,6 +11,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_CODE = ("rnnt.model", "rnnt.loss", "rnnt.decoding", "rnnt.kernels")
 NOT_IN_MODEL_CODE = ("logging", "nvidia", "mlperf_logging", "apex", "rnnt.run_log", "rnnt.mlperf")
+PREP = "rnnt.prep"
+# the programs of offline preparation: the only modules outside rnnt/prep that import it
+PREP_PROGRAMS = (
+    "rnnt.cli.build_manifest",
+    "rnnt.cli.validate_dataset",
+    "rnnt.cli.make_synthetic_corpus",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -33,6 +41,17 @@ def _imports(path: Path) -> set[str]:
 def _graph() -> dict[str, set[str]]:
     modules = {_module_name(p): p for p in (ROOT / "rnnt").rglob("*.py")}
     return {name: {m for m in _imports(path) if m in modules} for name, path in modules.items()}
+
+
+def _reached(graph: dict[str, set[str]], names: set[str]) -> set[str]:
+    """`names` and every module they import, directly or through others."""
+    reached, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo += graph[name]
+    return reached
 
 
 def test_the_package_import_graph_is_acyclic():
@@ -59,17 +78,27 @@ def test_the_package_import_graph_is_acyclic():
 def test_model_code_imports_no_logging_data_or_mlperf_code():
     graph = _graph()
     paths = {_module_name(p): p for p in (ROOT / "rnnt").rglob("*.py")}
-    model = {n for n in graph if n.startswith(MODEL_CODE)}
-    reached, todo = set(), list(model)
-    while todo:
-        name = todo.pop()
-        if name not in reached:
-            reached.add(name)
-            todo += graph[name]
+    reached = _reached(graph, {n for n in graph if n.startswith(MODEL_CODE)})
     assert not any(n.startswith("rnnt.data") for n in reached), sorted(reached)
     for name in reached:
         bad = [m for m in _imports(paths[name]) if m.startswith(NOT_IN_MODEL_CODE)]
         assert not bad, f"{name} imports {bad}"
+
+
+def test_nothing_a_run_imports_reaches_the_preparation_package():
+    """rnnt/prep runs offline, before any run: it may import rnnt/data, but rnnt/data, the
+    trainer, the model and every other module but the preparation programs never reach it."""
+    graph = _graph()
+    prep = {n for n in graph if n == PREP or n.startswith(PREP + ".")}
+    assert {f"{PREP}.validate", f"{PREP}.manifests"} <= prep
+    assert set(PREP_PROGRAMS) <= set(graph)
+    run = set(graph) - prep - set(PREP_PROGRAMS)
+    assert {"rnnt.data.manifest", "rnnt.data.preflight", "rnnt.trainer", "rnnt.cli.train"} <= run
+    # every path from there into rnnt/prep leaves `run` by one import, named here
+    for name in sorted(run):
+        bad = sorted(graph[name] & (prep | set(PREP_PROGRAMS)))
+        assert not bad, f"{name} imports {bad}"
+    assert not _reached(graph, run) & prep
 
 
 def test_the_kernels_package_and_the_model_import_no_triton():

@@ -21,8 +21,8 @@ from rnnt.config import Config, ConfigError
 from rnnt.data.features import AudioFileError, FeatureExtractor, read_audio
 from rnnt.data.loader import audio_path, build_loader, resolve_backend
 from rnnt.data.manifest import Utterance, read_manifest
-from rnnt.data.synthetic_corpus import plan_split, synthesize
 from rnnt.data.tokenizer import Tokenizer, train_tokenizer
+from rnnt.prep.synthetic_corpus import plan_split, synthesize
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from rnnt.data import synthetic_corpus as sc
 from rnnt.data.text import ALPHABET
+from rnnt.prep import synthetic_corpus as sc
 
 pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="needs espeak-ng")
 
@@ -224,8 +224,9 @@ def test_cli_reports_summary_and_errors(tmp_path, repo_root):
 
 def test_round_trip_through_manifest_and_tokenizer(digits, tmp_path, repo_root):
     """corpus -> manifest builder -> train_tokenizer.py on the train manifest -> ids -> text."""
-    from rnnt.data.manifest import build_manifest, read_manifest, write_manifest
+    from rnnt.data.manifest import read_manifest
     from rnnt.data.tokenizer import Tokenizer
+    from rnnt.prep.manifests import build_manifest, write_manifest
 
     # Ten train utterances say every digit, so no dev transcript can need <unk>.
     train, report = build_manifest(digits, ["train"], strict=True)

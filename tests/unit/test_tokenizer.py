@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from rnnt.data.synthetic_corpus import SentenceGenerator, digits_text
 from rnnt.data.tokenizer import UNK_ID, Tokenizer, TokenizerError, train_tokenizer
+from rnnt.prep.synthetic_corpus import SentenceGenerator, digits_text
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from rnnt.data.validate import PROBLEM_KINDS, DatasetError, check_audio, validate_split
+from rnnt.prep.validate import PROBLEM_KINDS, DatasetError, check_audio, validate_split
 
 SR = 16000
 
@@ -155,7 +155,7 @@ def test_every_problem_is_reported_with_file_line_and_counted(tmp_path):
 
     counts = report.counts()
     # the corpus exercises every kind of the split walk (out_of_vocabulary comes with token
-    # ids: tests/unit/test_manifest.py)
+    # ids: tests/unit/test_manifests.py)
     walk_kinds = set(PROBLEM_KINDS) - {"out_of_vocabulary"}
     assert set(counts) == walk_kinds
     twice = {

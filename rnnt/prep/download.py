@@ -1,6 +1,6 @@
 """Download LibriSpeech from OpenSLR: MD5-checked, resumable, atomic extraction, idempotent.
 
-  python -m rnnt.data.download --dest datasets [--parts dev-clean ...] [--base-url URL]
+  python -m rnnt.prep.download --dest datasets [--parts dev-clean ...] [--base-url URL]
 
 Per part, under `<dest>`:
   downloads/<part>.tar.gz.part   a download in progress; the next run resumes it (HTTP Range)

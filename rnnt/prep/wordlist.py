@@ -2,7 +2,7 @@
 
 Plain lower-case English words that espeak-ng reads as written (no abbreviations, digits or
 apostrophes), grouped by the part of speech the sentence grammar in
-`rnnt.data.synthetic_corpus` needs. Verbs list their past tense explicitly; plurals and the
+`rnnt.prep.synthetic_corpus` needs. Verbs list their past tense explicitly; plurals and the
 third person follow regular spelling rules with the exceptions listed here. Together with the
 inflected forms the grammar can say a few thousand distinct words.
 """

@@ -49,7 +49,7 @@ PROBLEM_KINDS = {
     "whitespace_in_name": "white space in a path",
     "unreadable_transcript": "unreadable transcript file",
     "duplicate_utterance": "duplicate utterance id",
-    # found when a manifest gets token ids (rnnt.data.manifest.tokenize), not by validate_split
+    # found when a manifest gets token ids (rnnt.prep.manifests.tokenize), not by validate_split
     "out_of_vocabulary": "transcript outside the tokenizer's vocabulary",
 }
 # Not a defect: valid utterances left out on request (train manifests only).

@@ -38,8 +38,8 @@ import soundfile as sf
 import soxr
 from tqdm import tqdm
 
-from rnnt.data import wordlist
 from rnnt.errors import UserError
+from rnnt.prep import wordlist
 
 SAMPLE_RATE = 16000
 ESPEAK_RATE = 22050  # espeak-ng's output rate
