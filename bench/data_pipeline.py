@@ -117,10 +117,10 @@ def time_loader(cfg: Config, utts, dataset_dir, device: str, warmup: int, batche
 def gpu_stage_ms(loader, transform, batches: int = 10) -> float | None:
     """Median CUDA time of the batched feature stage plus the device transform (torch
     backend on a GPU), replayed on raw batches of the loader's own workers."""
-    stage = getattr(loader.loader, "_device_features", None)
+    stage = getattr(loader.backend, "_device_features", None)
     if stage is None:  # DALI: its GPU work runs inside its own pipeline
         return None
-    raw = iter(loader.loader.loader)
+    raw = iter(loader.backend.loader)
     times = []
     for _ in range(batches):
         indices, seed, padded, lens, _unreadable = next(raw)
@@ -128,7 +128,7 @@ def gpu_stage_ms(loader, transform, batches: int = 10) -> float | None:
         stream = torch.cuda.current_stream()
         start.record(stream)
         feats, feat_lens, host_lens = stage(padded, lens, seed)
-        batch = loader.loader.assembler(indices, feats, feat_lens, host_lens)
+        batch = loader.backend.assembler(indices, feats, feat_lens, host_lens)
         transform(batch.to("cuda"))
         end.record(stream)
         end.synchronize()

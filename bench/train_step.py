@@ -114,7 +114,7 @@ def run_steps(trainer: Trainer, args) -> tuple[list, float, float]:
     steps_per_epoch = len(loader)
     average = None
     if args.average_lengths:
-        src = loader
+        src = loader.backend  # the synthetic source: its lengths table
         frames = int(src.frames(np.array([src.durations.mean()]), np.ones(1))[0])
         tokens = round(float(np.mean([len(t) for t in src.tokens])))
         average = (frames, tokens, cfg.model.n_classes - 1)

@@ -10,14 +10,13 @@ import torch
 
 from rnnt.backends import Choice, backend_line, eval_choices
 from rnnt.checkpoint import CheckpointError, open_checkpoint
-from rnnt.config import Config, ConfigError
+from rnnt.config import Config
 from rnnt.data.augment import BatchTransform
-from rnnt.data.loader import build_loader
-from rnnt.data.manifest import Utterance
-from rnnt.data.preflight import PreflightError, PreflightResult, preflight
+from rnnt.data.pipeline import build_eval_data
+from rnnt.data.preflight import PreflightResult
 from rnnt.data.tokenizer import Tokenizer
 from rnnt.decoding import GreedyDecoder
-from rnnt.distributed import DistContext, all_reduce_sum, same_on_every_rank
+from rnnt.distributed import DistContext, all_reduce_sum
 from rnnt.metrics import word_errors
 from rnnt.model import RNNT
 
@@ -84,28 +83,6 @@ def build_decoder(cfg: Config, model: RNNT) -> GreedyDecoder:
     )
 
 
-def build_eval_loader(cfg: Config, utts: list[Utterance], ctx: DistContext, tokenizer):
-    if not utts:
-        raise ConfigError(f"data.val_manifests {cfg.data.val_manifests}: no utterances")
-    return build_loader(
-        cfg, utts, cfg.data.dataset_dir, train=False, rank=ctx.rank,
-        world_size=ctx.world_size, device=ctx.device, tokenizer=tokenizer,
-    )  # fmt: skip
-
-
-def checked_inputs(cfg: Config, ctx: DistContext, train: bool) -> PreflightResult:
-    """The preflight of `cfg`'s manifests and tokenizer (rnnt.data.preflight), the same on
-    every rank: ranks that found different problems would deal different utterances."""
-    checked = preflight(cfg.data, cfg.model.n_classes, train=train)
-    if not same_on_every_rank(checked.fingerprint(), ctx):
-        raise PreflightError(
-            "preflight: the ranks found different problems in the same manifests (do they "
-            "read the same files? did one change while the run started?)"
-        )
-    checked.raise_for_problems()
-    return checked
-
-
 def detokenizer(tokenizer: Tokenizer | None):
     """Token ids -> text; without a tokenizer (synthetic data) the ids themselves."""
     if tokenizer is not None:
@@ -133,7 +110,7 @@ class EvalSetup:
 def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str = "ema"):
     """Build the eval model from `cfg`, load the EMA (or raw) weights of a checkpoint (its
     directory, or its model.pt) into it."""
-    checked = checked_inputs(cfg, ctx, train=False)  # seconds, before the checkpoint's load
+    loader, checked = build_eval_data(cfg, ctx)  # seconds, before the checkpoint's load
     path = Path(checkpoint)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
@@ -157,7 +134,6 @@ def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str =
                 f"{path}: weights do not fit the model of this config: {first}"
             ) from None
     model.to(dtype).eval()
-    loader = build_eval_loader(cfg, checked.val, ctx, checked.tokenizer)
     transform = BatchTransform(cfg.features, train=False, dtype=dtype)
     return EvalSetup(
         cfg,

@@ -20,11 +20,8 @@ from rnnt.checkpoint import Checkpoint, CheckpointManager, capture_rng_state, re
 from rnnt.config import Config, ConfigError, check_device, preset_global_batch, to_dict
 from rnnt.data.augment import BatchTransform
 from rnnt.data.batch import FeatureBatch
-from rnnt.data.loader import build_loader
-from rnnt.data.manifest import Utterance
-from rnnt.data.preflight import load_tokenizer
-from rnnt.data.sampler import BucketingSampler, SamplerStateError
-from rnnt.data.synthetic import SyntheticFeatureSource, tokenizer_for_lengths_table
+from rnnt.data.pipeline import build_train_data
+from rnnt.data.sampler import SamplerStateError
 from rnnt.distributed import (
     DistContext,
     agree_on_run_id,
@@ -34,15 +31,7 @@ from rnnt.distributed import (
     barrier,
     set_torch_threads,
 )
-from rnnt.evaluation import (
-    DTYPES,
-    EvalResult,
-    build_decoder,
-    build_eval_loader,
-    checked_inputs,
-    detokenizer,
-    evaluate,
-)
+from rnnt.evaluation import DTYPES, EvalResult, build_decoder, detokenizer, evaluate
 from rnnt.flops import peak_flops, step_flops
 from rnnt.loss import TransducerLoss
 from rnnt.mlperf import MLPerfLogger
@@ -87,7 +76,6 @@ class Trainer:
         self.mlperf = mlperf or MLPerfLogger(None, ctx.rank)
         self.log = RunLog(self.out_dir, is_main=ctx.is_main)
         self.progress = Progress()
-        self.batches_done = 0  # batches trained in the current epoch
         self.checkpoints = CheckpointManager(
             self.out_dir / "checkpoints",
             keep_last=tcfg.keep_last_checkpoints,
@@ -116,88 +104,13 @@ class Trainer:
     # ---------------------------------------------------------------------------- building
     def _build_data(self) -> None:
         cfg, ctx = self.cfg, self.ctx
-        dcfg = cfg.data
         self.global_batch = (
             cfg.training.batch_size * cfg.training.grad_accumulation * ctx.world_size
         )
         check_system(cfg, ctx.world_size, self.global_batch)
-        if dcfg.backend == "synthetic":
-            self.tokenizer = load_tokenizer(dcfg.tokenizer, cfg.model.n_classes)
-            self._build_synthetic_data()
-            return
-        checked = checked_inputs(cfg, ctx, train=True)
-        self.log.info(checked.summary())
-        for problem in checked.problems:
-            self.log.info(f"excluded: {problem}")
-        self.tokenizer = checked.tokenizer
-        kept = [u for u in checked.train if u.duration <= dcfg.max_duration]
-        self.dropped_long = len(checked.train) - len(kept)
-        self.train_utts = kept
-        self.val_utts = checked.val
-        if not self.train_utts:
-            raise ConfigError(f"data.train_manifests {dcfg.train_manifests}: no utterances")
-        if len(self.train_utts) < self.global_batch:
-            raise ConfigError(
-                f"{len(self.train_utts)} training utterances cannot fill one global batch of "
-                f"{self.global_batch} (training.batch_size x grad_accumulation x world size)"
-            )
-        self.sampler = BucketingSampler(
-            [u.duration for u in self.train_utts],
-            global_batch_size=self.global_batch,
-            num_buckets=dcfg.num_buckets,
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            seed=cfg.training.seed,
-        )
-        self.train_loader = build_loader(
-            cfg, self.train_utts, dcfg.dataset_dir, train=True, sampler=self.sampler,
-            rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
-            tokenizer=self.tokenizer,
-        )  # fmt: skip
-        self.val_loader = build_eval_loader(cfg, self.val_utts, ctx, self.tokenizer)
-        self.log.info(
-            f"data: {len(self.train_utts)} train utterances ({self.dropped_long} dropped longer "
-            f"than {dcfg.max_duration} s), {len(self.val_utts)} dev utterances, global batch "
-            f"{self.global_batch}, {len(self.sampler)} steps per epoch"
-        )
-
-    def _build_synthetic_data(self) -> None:
-        """Noise features at real LibriSpeech lengths (rnnt.data.synthetic): for speed runs and
-        GPU checks without audio. WER on it is meaningless; mid-epoch resume restarts the
-        epoch's batches (the source regenerates them from (seed, epoch))."""
-        cfg, ctx, dcfg = self.cfg, self.ctx, self.cfg.data
-        if self.tokenizer is None:
-            self.tokenizer = tokenizer_for_lengths_table(
-                dcfg.synthetic_train_lengths, cfg.model.n_classes - 1, self.out_dir / "tokenizer"
-            )
-        common = dict(
-            tokenizer=self.tokenizer, features=cfg.features, rank=ctx.rank,
-            world_size=ctx.world_size, seed=cfg.training.seed, device=ctx.device,
-        )  # fmt: skip
-        self.train_loader = SyntheticFeatureSource(
-            dcfg.synthetic_train_lengths,
-            cfg.training.batch_size * cfg.training.grad_accumulation,
-            train=True,
-            max_duration=dcfg.max_duration,
-            num_batches=dcfg.synthetic_steps_per_epoch or None,
-            **common,
-        )
-        self.val_loader = SyntheticFeatureSource(
-            dcfg.synthetic_val_lengths, cfg.eval.batch_size, train=False, **common
-        )
-        self.sampler = self.train_loader.batches
-        src = self.train_loader
-        self.train_utts = [
-            Utterance(i, "", float(d), t, tok)
-            for i, d, t, tok in zip(src.utt_ids, src.durations, src.transcripts, src.tokens)
-        ]
-        self.val_utts = self.val_loader.utt_ids
-        self.dropped_long = 0
-        self.log.info(
-            f"data: SYNTHETIC noise features at the lengths of {dcfg.synthetic_train_lengths} "
-            f"({len(self.train_utts)} train) and {dcfg.synthetic_val_lengths} "
-            f"({len(self.val_utts)} dev); {len(self.train_loader)} steps per epoch"
-        )
+        self.data = build_train_data(cfg, ctx, self.out_dir, self.log.info)
+        self.train_loader = self.data.train
+        self.tokenizer = self.data.tokenizer
 
     def _build_model(self) -> None:
         cfg, ctx = self.cfg, self.ctx
@@ -243,7 +156,7 @@ class Trainer:
             from rnnt.graphs import TrainingGraphs
 
             self.graphs = TrainingGraphs.for_config(
-                self.model, cfg, self.train_utts, self.tokenizer
+                self.model, cfg, self.data.train_utts, self.tokenizer
             )
         # device-side counters, read only at logging points
         self.skipped_total = torch.zeros((), dtype=torch.int64, device=ctx.device)
@@ -280,7 +193,7 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(),
                 "rng": capture_rng_state(),
                 "augment_rng": self.augment_generator.get_state(),
-                "loader": self._loader_generators(),
+                "loader": self.train_loader.generator_state(),
             }
         }
         ema = self._full_ema()
@@ -294,19 +207,13 @@ class Trainer:
                     "step": self.progress.step,
                     "best_wer": self.progress.best_wer,
                 },
-                "sampler": self._sampler_state(),
+                "sampler": self.train_loader.state_dict(),
                 "skipped_total": self.skipped_total.cpu(),
                 "skipped_in_a_row": self.skipped_in_a_row.cpu(),
                 "config": to_dict(self.cfg),
                 "world_size": self.ctx.world_size,
             }
         return files
-
-    def _sampler_state(self) -> dict:
-        if self.cfg.data.backend == "synthetic":
-            return self.sampler.state_dict()  # position 0: the source replays whole epochs
-        # the loader prefetches: record the batches actually trained, not those handed out
-        return self.sampler.state_dict(batches_done=self.batches_done)
 
     def load_state(self, states: dict[str, dict], checkpoint: Checkpoint) -> list[str]:
         """Load a checkpoint's states; returns the reasons the resume is not exact (none: it
@@ -327,25 +234,17 @@ class Trainer:
         p = main["progress"]
         self.progress = Progress(int(p["epoch"]), int(p["step"]), float(p["best_wer"]))
         try:
-            self.sampler.load_state_dict(main["sampler"])
+            self.train_loader.load_state_dict(main["sampler"])
         except SamplerStateError as err:
             raise SamplerStateError(
                 f"{checkpoint.path}: {err}; resume with the manifests and batch settings it was "
                 "trained with, or start a fresh run"
             ) from None
-        self.batches_done = int(main["sampler"]["batches_done"])
         self.run_id = checkpoint.meta.get("run_id", self.run_id)  # older checkpoints have none
         self.checkpoints.run_id = self.run_id
         self.skipped_total.copy_(main["skipped_total"])
         self.skipped_in_a_row.copy_(main["skipped_in_a_row"])
         return self._restore_streams(states.get(f"rank{self.ctx.rank}"), checkpoint)
-
-    def _loader_generators(self) -> dict:
-        """The loader's generator state beyond its position (DALI's dither); none for the
-        synthetic source, which regenerates its batches from (seed, epoch)."""
-        if self.cfg.data.backend == "synthetic":
-            return {}
-        return self.train_loader.generator_state()
 
     def _restore_streams(self, own: dict | None, checkpoint: Checkpoint) -> list[str]:
         """Restore this rank's random streams; the reasons the resume is not exact, if any."""
@@ -356,7 +255,7 @@ class Trainer:
             restore_rng_state(own["rng"])
             if own.get("loader"):
                 self.train_loader.load_generator_state(own["loader"])
-            elif self._loader_generators():
+            elif self.train_loader.generator_state():
                 not_exact.append(
                     "the checkpoint holds no state of DALI's dither generator (it was written "
                     "before that was kept): dither restarts from the seed"
@@ -368,10 +267,6 @@ class Trainer:
             )
             torch.manual_seed(self.seeds.torch + self.progress.step)
             self.augment_generator.manual_seed(self.seeds.augment + self.progress.step)
-        if self.cfg.data.backend == "synthetic" and self.progress.step % len(self.train_loader):
-            not_exact.append(
-                f"the synthetic backend replays epoch {self.progress.epoch} from its first batch"
-            )
         return not_exact
 
     def resume(self) -> bool:
@@ -509,14 +404,13 @@ class Trainer:
         because their audio could not be read (a collective); None otherwise."""
         if not self.cfg.data.skip_bad:
             return None
-        mine = getattr(self.train_loader, "dropped_utterances", 0)  # synthetic batches: none
+        mine = self.train_loader.dropped_utterances
         count = torch.tensor([float(mine)], device=self.ctx.device)
         return int(all_reduce_sum(count, self.ctx).item())
 
     def train_epoch(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         steps_per_epoch = len(self.train_loader)
-        self.sampler.set_epoch(self.progress.epoch)
         self.train_loader.set_epoch(self.progress.epoch)
         log_every = cfg.training.log_frequency
         batches = iter(
@@ -535,7 +429,6 @@ class Trainer:
             lr = lr_at(self.progress.step + 1, self.progress.epoch, steps_per_epoch, cfg.optimizer)
             loss = self.train_step(batch, lr)
             self.progress.step += 1
-            self.batches_done += 1
             self.window.add_step(len(batch) * ctx.world_size, self.last_step_flops * ctx.world_size)
             if self.progress.step % log_every == 0:
                 self._log_point(loss, lr)
@@ -545,7 +438,6 @@ class Trainer:
                 self.save(background=True)
         if self.window.steps:  # the epoch's last, shorter window
             self._log_point(loss, lr)
-        self.batches_done = 0
 
     def _stop_if_preempted(self) -> None:
         """At a step boundary: when any rank got a preemption signal, every rank saves its part
@@ -562,7 +454,7 @@ class Trainer:
         with torch.no_grad():
             torch._foreach_copy_(list(self.eval_model.parameters()), self._full_ema())
         return evaluate(
-            self.decoder, self.val_loader, self.eval_transform, detokenizer(self.tokenizer),
+            self.decoder, self.data.val, self.eval_transform, detokenizer(self.tokenizer),
             self.ctx,
         )  # fmt: skip
 
@@ -572,8 +464,8 @@ class Trainer:
         ml.hyperparameters(
             cfg,
             global_batch_size=self.global_batch,
-            train_samples=len(self.train_utts),
-            eval_samples=len(self.val_utts),
+            train_samples=len(self.data.train_utts),
+            eval_samples=self.data.val_size,
             grad_accumulation=cfg.training.grad_accumulation,
         )
         ml.init_stop()
@@ -603,7 +495,6 @@ class Trainer:
                 self.progress.best_wer = min(self.progress.best_wer, result.wer)
                 reached = result.wer <= cfg.training.target_wer
                 self.progress.epoch += 1
-                self.sampler.set_epoch(self.progress.epoch)
                 if reached:
                     break
                 every = cfg.training.save_every_epochs

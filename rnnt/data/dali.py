@@ -174,22 +174,25 @@ def _to_torch(tensor_list, device: torch.device) -> torch.Tensor:
 
 
 class DaliFeatureIterator:
-    """Iterates FeatureBatches of one epoch of `batches` (lists of dataset indices).
+    """FeatureBatches of an epoch of `plan` (a sampler: `batches(epoch, start)` yields lists
+    of dataset indices), from a start position.
 
     `read_batch(indices, epoch, batch_no)` returns (the indices it could read, their encoded
-    arrays, their speeds); `finish(indices,
-    feats, lens)` builds the FeatureBatch; `diagnose(indices)` names a bad file in a batch
-    DALI failed on. All three come from `rnnt.data.loader`, which owns file and token access.
+    arrays, their speeds); `finish(indices, feats, lens)` builds the FeatureBatch;
+    `diagnose(indices)` names a bad file in a batch DALI failed on; `unreadable` counts the
+    utterances read_batch left out. All four come from `rnnt.data.loader`, which owns file
+    and token access.
     """
 
     def __init__(
         self,
         cfg: FeaturesConfig,
         train: bool,
-        batches,
+        plan,
         read_batch: Callable[[Sequence[int], int, int], tuple[list[int], list, list]],
         finish: Callable[[Sequence[int], torch.Tensor, torch.Tensor], FeatureBatch],
         diagnose: Callable[[Sequence[int], Exception], Exception],
+        unreadable,
         max_batch_size: int,
         num_threads: int,
         seed: int,
@@ -199,8 +202,10 @@ class DaliFeatureIterator:
     ) -> None:
         if not DALI_AVAILABLE:
             raise RuntimeError("data.backend = dali but nvidia.dali is not importable")
-        self.batches = batches
+        self.plan = plan
+        self.unreadable = unreadable
         self.epoch = 0
+        self.start = 0
         self._read_batch = read_batch
         self._finish = finish
         self._diagnose = diagnose
@@ -219,25 +224,24 @@ class DaliFeatureIterator:
         owner = self
 
         class _Epoch:
-            """Iterable for external_source: each iter() is the loader's current epoch."""
+            """Iterable for external_source: each iter() is the loader's current epoch from its
+            start position."""
 
             def __iter__(self) -> Iterator[tuple[list, list]]:
-                epoch = owner.epoch
-                start = getattr(owner.batches, "batches_done", 0)
-                for batch_no, indices in enumerate(owner.batches, start=start):
+                epoch, start = owner.epoch, owner.start
+                for batch_no, indices in enumerate(owner.plan.batches(epoch, start), start=start):
                     kept, encoded, speeds = owner._read_batch(indices, epoch, batch_no)
                     owner._pending.append(kept)
                     yield encoded, [np.float32(s) for s in speeds]
 
         return _Epoch()
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-        if hasattr(self.batches, "set_epoch"):
-            self.batches.set_epoch(epoch)
-
     def __len__(self) -> int:
-        return len(self.batches)
+        return len(self.plan)
+
+    @property
+    def dropped_utterances(self) -> int:
+        return self.unreadable.dropped
 
     def generator_state(self) -> dict:
         """The pipeline's random generators (dither) as of the last batch handed out, as a
@@ -252,6 +256,11 @@ class DaliFeatureIterator:
         self.pipeline = build_pipeline(*self._build_args, checkpoint=blob)
 
     def __iter__(self) -> Iterator[FeatureBatch]:
+        return self.epoch_batches(0, 0)
+
+    def epoch_batches(self, epoch: int, start: int) -> Iterator[FeatureBatch]:
+        """The batches of `epoch` from its `start`-th on."""
+        self.epoch, self.start = epoch, start
         self._pending.clear()
         if not self._train and self._passes:
             self.pipeline = build_pipeline(*self._build_args)  # dither from its seed again

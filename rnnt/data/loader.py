@@ -5,8 +5,9 @@ Backends: `dali` (rnnt.data.dali), `torch` (this module, front end of rnnt.data.
 
 Batches: training follows the sampler (a BucketingSampler over this rank's share of each
 global batch, built here unless one is given); evaluation takes every utterance once in
-batches of eval.batch_size (the last one partial). The loader forwards `set_epoch`,
-`__len__` and the sampler's `state_dict` / `load_state_dict`.
+batches of eval.batch_size (the last one partial). A backend produces the batches of an epoch
+from a given position (`epoch_batches(epoch, start)`); for training, `TrainLoader` wraps it
+and alone owns the epoch and the position a checkpoint records.
 
 Torch backend, where the work happens:
 * data.device = cpu: `data.num_threads` worker processes each decode one utterance,
@@ -50,7 +51,7 @@ from rnnt.data.features import (
     read_audio,
 )
 from rnnt.data.manifest import Utterance
-from rnnt.data.sampler import BucketingSampler, SequentialBatches
+from rnnt.data.sampler import BucketingSampler, SamplerStateError, SequentialBatches
 from rnnt.seeds import derive_seed, rank_seeds
 
 log = logging.getLogger(__name__)
@@ -226,20 +227,22 @@ class AudioDataset(Dataset):
 
 
 class _KeyedBatches:
-    """Wraps index batches into (index, seed) keys for AudioDataset; remembers the position."""
+    """The index batches of one epoch from a start position, as (index, seed) keys for
+    AudioDataset. The DataLoader iterates it anew for every epoch_batches() call."""
 
-    def __init__(self, batches, seed: int, rank: int) -> None:
-        self.batches = batches
+    def __init__(self, plan, seed: int, rank: int) -> None:
+        self.plan = plan
         self.seed = seed
         self.rank = rank
         self.epoch = 0
+        self.start = 0
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return len(self.plan)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        start = getattr(self.batches, "batches_done", 0)
-        for batch_no, indices in enumerate(self.batches, start=start):
+        batches = self.plan.batches(self.epoch, self.start)
+        for batch_no, indices in enumerate(batches, start=self.start):
             yield [
                 (i, derive_seed(self.seed, self.rank, self.epoch, batch_no, slot))
                 for slot, i in enumerate(indices)
@@ -255,7 +258,7 @@ class TorchFeatureLoader:
         utts: Sequence[Utterance],
         dataset_dir: str | Path | None,
         train: bool,
-        batches,
+        plan,
         rank: int,
         device: torch.device,
         assembler: BatchAssembler,
@@ -279,7 +282,7 @@ class TorchFeatureLoader:
         dataset = AudioDataset(
             utts, dataset_dir, cfg.features, train and not perturb_on_device, worker_extractor
         )
-        self.keyed = _KeyedBatches(batches, seed, rank)
+        self.keyed = _KeyedBatches(plan, seed, rank)
         workers = data.num_threads
         self.loader = DataLoader(
             dataset,
@@ -297,8 +300,8 @@ class TorchFeatureLoader:
         )
 
     @property
-    def batches(self):
-        return self.keyed.batches
+    def dropped_utterances(self) -> int:
+        return self.unreadable.dropped
 
     def generator_state(self) -> dict:
         """Nothing: every random draw is a function of (seed, rank, epoch, batch, slot)."""
@@ -307,15 +310,15 @@ class TorchFeatureLoader:
     def load_generator_state(self, state: dict) -> None:
         pass
 
-    def set_epoch(self, epoch: int) -> None:
-        self.keyed.epoch = epoch
-        if hasattr(self.batches, "set_epoch"):
-            self.batches.set_epoch(epoch)
-
     def __len__(self) -> int:
         return len(self.keyed)
 
     def __iter__(self) -> Iterator[FeatureBatch]:
+        return self.epoch_batches(0, 0)
+
+    def epoch_batches(self, epoch: int, start: int) -> Iterator[FeatureBatch]:
+        """The batches of `epoch` from its `start`-th on."""
+        self.keyed.epoch, self.keyed.start = epoch, start
         for indices, batch_seed, padded, lens, unreadable in self.loader:
             self.unreadable.handle(unreadable, len(indices))
             if self.on_device:
@@ -456,7 +459,8 @@ def build_loader(
     device: str | torch.device = "cpu",
     tokenizer=None,
 ):
-    """An iterable of FeatureBatch with set_epoch(e), __len__ and (train) state_dict().
+    """Training: a TrainLoader. Evaluation: the backend, an iterable of FeatureBatch that
+    takes every utterance once per iteration.
 
     utts: manifest utterances (audio paths absolute, or relative to `dataset_dir`).
     sampler: training batches (lists of indices into utts); default: a BucketingSampler of
@@ -480,7 +484,7 @@ def build_loader(
     if seed is None:
         raise ConfigError("training.seed is unset: the Trainer draws one before the loaders")
     if not train:
-        batches = SequentialBatches(durations, cfg.eval.batch_size, rank, world_size)
+        plan = SequentialBatches(durations, cfg.eval.batch_size, rank, world_size)
         max_batch = cfg.eval.batch_size
     else:
         local_batch = cfg.training.batch_size * cfg.training.grad_accumulation
@@ -493,14 +497,14 @@ def build_loader(
                 world_size,
                 seed,
             )
-        batches = sampler
+        plan = sampler
         # a rank's share of a global batch: the micro-batches of one step together
-        max_batch = getattr(sampler, "local_batch_size", local_batch)
+        max_batch = sampler.local_batch_size
     assembler = BatchAssembler(utts, train, tokenizer)
     unreadable = UnreadableAudio(cfg.data.skip_bad)
     if backend == "torch":
         loader = TorchFeatureLoader(
-            cfg, utts, dataset_dir, train, batches, rank, device, assembler, seed, unreadable
+            cfg, utts, dataset_dir, train, plan, rank, device, assembler, seed, unreadable
         )
     else:
         from rnnt.data.dali import DaliFeatureIterator
@@ -509,10 +513,11 @@ def build_loader(
         loader = DaliFeatureIterator(
             cfg.features,
             train,
-            batches,
+            plan,
             files.read,
             assembler,
             files.diagnose,
+            unreadable,
             max_batch,
             max(1, cfg.data.num_threads),
             rank_seeds(seed, rank).loader % (1 << 31),
@@ -520,41 +525,74 @@ def build_loader(
             cfg.data.resampling_device,
             device,
         )
-    return SamplerStateLoader(loader, unreadable)
+    return TrainLoader(loader, sampler) if train else loader
 
 
-class SamplerStateLoader:
-    """The backend's batches plus the sampler state passthrough for checkpoints."""
+class TrainLoader:
+    """This rank's training batches and the run's position in them: the one owner of the
+    epoch and of the point a checkpoint resumes from.
 
-    def __init__(self, loader, unreadable: UnreadableAudio) -> None:
-        self.loader = loader
-        self.unreadable = unreadable
+    The position counts the batches handed to the training loop. A backend prefetches (the
+    DataLoader's workers, DALI's queue), so what it has produced runs ahead of what was
+    trained; counted here, a state_dict taken after a step resumes at the next batch.
+
+    backend: produces the batches of an epoch from a position (`epoch_batches`); the torch
+    and DALI loaders of this module and rnnt.data.synthetic's source. plan: the sampler whose
+    order the backend follows; the position fits only its identity (training set, batching,
+    seed).
+    """
+
+    def __init__(self, backend, plan) -> None:
+        self.backend = backend
+        self.plan = plan
+        self.epoch = 0
+        self.position = 0  # batches of `epoch` handed out
+
+    def __len__(self) -> int:
+        return len(self.backend)
 
     @property
     def dropped_utterances(self) -> int:
         """Utterances this rank's batches left out because their audio could not be read."""
-        return self.unreadable.dropped
+        return self.backend.dropped_utterances
 
     def set_epoch(self, epoch: int) -> None:
-        self.loader.set_epoch(epoch)
-
-    def __len__(self) -> int:
-        return len(self.loader)
+        """Move to the first batch of `epoch`; the epoch it is in keeps its position (a
+        restored one included)."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
 
     def __iter__(self) -> Iterator[FeatureBatch]:
-        return iter(self.loader)
-
-    def generator_state(self) -> dict:
-        """This rank's pipeline generators that a resume needs beyond the sampler's position
-        (DALI's dither; nothing for the torch backend)."""
-        return self.loader.generator_state()
-
-    def load_generator_state(self, state: dict) -> None:
-        self.loader.load_generator_state(state)
+        """The rest of the current epoch; an exhausted epoch yields nothing more."""
+        for batch in self.backend.epoch_batches(self.epoch, self.position):
+            # counted before the consumer has it: a checkpoint taken after its step then
+            # resumes with the next batch
+            self.position += 1
+            yield batch
 
     def state_dict(self) -> dict:
-        batches = self.loader.batches
-        return batches.state_dict() if hasattr(batches, "state_dict") else {}
+        """The position, and what it fits: plain ints and strings (weights_only loads)."""
+        return {"epoch": self.epoch, "batches_done": self.position, **self.plan.identity()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.loader.batches.load_state_dict(state)
+        missing = sorted({"epoch", "batches_done"} - set(state))
+        if missing:
+            raise SamplerStateError(f"sampler state lacks keys {missing}")
+        self.plan.adopt(state)
+        epoch, done = int(state["epoch"]), int(state["batches_done"])
+        if epoch < 0 or not 0 <= done <= len(self):
+            raise SamplerStateError(
+                f"sampler state (epoch {epoch}, batches_done {done}) is outside epochs >= 0 "
+                f"and [0, {len(self)}] batches"
+            )
+        self.epoch, self.position = epoch, done
+
+    def generator_state(self) -> dict:
+        """This rank's pipeline generators that a resume needs beyond the position (DALI's
+        dither; nothing for the torch backend)."""
+        return self.backend.generator_state()
+
+    def load_generator_state(self, state: dict) -> None:
+        self.backend.load_generator_state(state)

@@ -19,8 +19,9 @@ W ranks:
 
 The order is a pure function of (seed, epoch): one numpy PCG64 generator seeded with
 SeedSequence([seed, epoch]) per epoch, no global RNG state. That makes resuming cheap: the
-state is (epoch, batches done) and the plan is recomputed. The position counts global batches,
-so a run may resume on a different number of ranks as long as G is unchanged.
+position is (epoch, batches done), kept by the loader, and the plan is recomputed. The
+position counts global batches, so a run may resume on a different number of ranks as long as
+G is unchanged.
 """
 
 from __future__ import annotations
@@ -61,10 +62,12 @@ def _check_rank(rank: int, world_size: int) -> None:
 
 
 class BucketingSampler:
-    """Yields this rank's share (G/W dataset indices) of each global batch of an epoch.
+    """This rank's share (G/W dataset indices) of each global batch of an epoch.
 
-    Usage: `set_epoch(e)` before each epoch, then iterate. `state_dict()` taken between
-    batches and `load_state_dict()` on a fresh sampler continue at the exact next batch.
+    A plan, not a cursor: `batches(epoch, start)` recomputes the epoch's order, so the position
+    belongs to whoever consumes the batches (rnnt.data.loader.TrainLoader counts what it has
+    handed to the training loop). `identity()` names what a saved position only fits: the
+    training set, the batching and the seed.
     """
 
     def __init__(
@@ -107,9 +110,7 @@ class BucketingSampler:
         self.seed = seed
         self.fingerprint = durations_fingerprint(self.durations)
         self.num_batches = sum(len(b) // global_batch_size for b in self.buckets)
-        self.epoch = 0
-        self.batches_done = 0
-        self._plan_epoch: int | None = None
+        self._plan_key: tuple[int, int] | None = None
         self._plan = np.empty((0, global_batch_size), dtype=np.int64)
 
     def __len__(self) -> int:
@@ -120,20 +121,11 @@ class BucketingSampler:
     def samples_per_epoch(self) -> int:
         return self.num_batches * self.global_batch_size
 
-    def set_epoch(self, epoch: int) -> None:
-        """Move to the first batch of `epoch`. Setting the epoch it is already in keeps the
-        position: the training loop and the loader may both announce an epoch, and a position
-        restored by load_state_dict must survive that. Replaying an epoch means loading a
-        state_dict."""
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self.batches_done = 0
-
     def global_batches(self, epoch: int) -> np.ndarray:
         """(num_batches, G) int64: every global batch of `epoch`, in order."""
-        if self._plan_epoch == epoch:
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if self._plan_key == (self.seed, epoch):
             return self._plan
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
         g = self.global_batch_size
@@ -143,7 +135,7 @@ class BucketingSampler:
             per_bucket.append(rng.permutation(bucket)[:keep].reshape(-1, g))
         plan = np.concatenate(per_bucket)
         plan = plan[rng.permutation(len(plan))]
-        self._plan_epoch, self._plan = epoch, plan
+        self._plan_key, self._plan = (self.seed, epoch), plan
         return plan
 
     def rank_batches(self, epoch: int) -> np.ndarray:
@@ -162,30 +154,16 @@ class BucketingSampler:
         seat = np.where(forward, self.rank, w - 1 - self.rank)
         return np.arange(rounds) * w + seat
 
-    def __iter__(self) -> Iterator[list[int]]:
-        """The rest of the current epoch; an exhausted epoch yields nothing more."""
-        plan = self.rank_batches(self.epoch)
-        while self.batches_done < len(plan):
-            batch = plan[self.batches_done].tolist()
-            # counted when handed out: a state_dict taken after the consumer finished this
-            # batch resumes with the next one
-            self.batches_done += 1
-            yield batch
+    def batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
+        """This rank's batches of `epoch` from its `start`-th on."""
+        if not 0 <= start <= self.num_batches:
+            raise ValueError(f"start {start} is not in [0, {self.num_batches}]")
+        for row in self.rank_batches(epoch)[start:]:
+            yield row.tolist()
 
-    def state_dict(self, batches_done: int | None = None) -> dict:
-        """Plain ints and strings only (loads with torch.load(weights_only=True)).
-
-        batches_done: the batches of this epoch the consumer has really finished, when it
-        differs from the batches handed out (a loader that prefetches is ahead of training).
-        """
-        if batches_done is not None and not 0 <= batches_done <= self.batches_done:
-            raise ValueError(
-                f"batches_done {batches_done} is not in [0, {self.batches_done}] "
-                "(the batches handed out so far this epoch)"
-            )
+    def identity(self) -> dict:
+        """What a saved position fits: plain ints and strings (torch.load(weights_only=True))."""
         return {
-            "epoch": self.epoch,
-            "batches_done": self.batches_done if batches_done is None else batches_done,
             "seed": self.seed,
             "global_batch_size": self.global_batch_size,
             "num_buckets": self.num_buckets,
@@ -193,8 +171,10 @@ class BucketingSampler:
             "durations_sha256": self.fingerprint,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        expected = self.state_dict()
+    def adopt(self, state: dict) -> None:
+        """Take the order of a saved position (its seed), after checking that it was saved
+        with this training set and batching."""
+        expected = self.identity()
         missing = sorted(set(expected) - set(state))
         if missing:
             raise SamplerStateError(f"sampler state lacks keys {missing}")
@@ -204,17 +184,9 @@ class BucketingSampler:
                     f"sampler state was saved with {key} = {state[key]!r} but this sampler has "
                     f"{expected[key]!r}: the training set or batching changed since the checkpoint"
                 )
-        if not 0 <= state["batches_done"] <= self.num_batches:
-            raise SamplerStateError(
-                f"sampler state batches_done = {state['batches_done']} is outside "
-                f"[0, {self.num_batches}]"
-            )
-        if state["epoch"] < 0 or state["seed"] < 0:
-            raise SamplerStateError(f"sampler state has a negative epoch or seed: {state}")
+        if state["seed"] < 0:
+            raise SamplerStateError(f"sampler state has a negative seed: {state['seed']}")
         self.seed = int(state["seed"])
-        self.epoch = int(state["epoch"])
-        self.batches_done = int(state["batches_done"])
-        self._plan_epoch = None
 
 
 class SequentialBatches:
@@ -238,12 +210,11 @@ class SequentialBatches:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         order = np.argsort(-durations, kind="stable")[rank::world_size]
-        self.batches = [
-            order[i : i + batch_size].tolist() for i in range(0, len(order), batch_size)
-        ]
+        self.plan = [order[i : i + batch_size].tolist() for i in range(0, len(order), batch_size)]
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return len(self.plan)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        return iter(self.batches)
+    def batches(self, epoch: int = 0, start: int = 0) -> Iterator[list[int]]:
+        """The batches from the `start`-th on; the same in every epoch."""
+        return iter(self.plan[start:])

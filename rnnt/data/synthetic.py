@@ -133,11 +133,13 @@ def _derived_seed(*parts: int) -> int:
 
 
 class SyntheticFeatureSource:
-    """Iterable of FeatureBatch: noise features and real token ids at real LibriSpeech lengths.
+    """Noise features and real token ids at real LibriSpeech lengths: a loader backend
+    (`epoch_batches(epoch, start)`; iterating it is one pass of epoch 0, for evaluation).
 
-    batch_size is per rank. num_batches: batches per iteration; None is one pass (training:
+    batch_size is per rank. num_batches: batches per epoch; None is one pass (training:
     one sampler epoch; evaluation: every utterance once). Training cycles through sampler
-    epochs when num_batches is larger. Deterministic in (seed, epoch, rank).
+    epochs when num_batches is larger. Batch k of an epoch is a function of (seed, epoch, rank,
+    k) alone, so an epoch resumes at any batch exactly.
     """
 
     def __init__(
@@ -184,45 +186,52 @@ class SyntheticFeatureSource:
         self.seed = seed
         self.rank = rank
         self.device = torch.device(device)
-        self.epoch = 0
         if train:
-            self.batches: BucketingSampler | SequentialBatches = BucketingSampler(
+            self.plan: BucketingSampler | SequentialBatches = BucketingSampler(
                 self.durations, batch_size * world_size, 1, rank, world_size, seed
             )
         else:
-            self.batches = SequentialBatches(self.durations, batch_size, rank, world_size)
-        self.num_batches = len(self.batches) if num_batches is None else num_batches
+            self.plan = SequentialBatches(self.durations, batch_size, rank, world_size)
+        self.num_batches = len(self.plan) if num_batches is None else num_batches
+        self.dropped_utterances = 0  # no audio, nothing unreadable
 
     def __len__(self) -> int:
         return self.num_batches
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def generator_state(self) -> dict:
+        """Nothing: every batch is a function of (seed, epoch, rank, position)."""
+        return {}
+
+    def load_generator_state(self, state: dict) -> None:
+        pass
 
     def frames(self, durations: np.ndarray, speeds: np.ndarray) -> np.ndarray:
         """Raw 10 ms frames of clips of `durations` seconds played at rates `speeds`."""
         samples = np.rint(durations * self.features.sample_rate)
         return (np.rint(samples / speeds).astype(np.int64) // self.hop) + 1
 
-    def _index_batches(self) -> Iterator[list[int]]:
+    def _index_batches(self, epoch: int, start: int) -> Iterator[list[int]]:
         # an epoch longer than one pass takes sampler epochs of its own, never its neighbour's
-        epoch = self.epoch * -(-self.num_batches // max(len(self.batches), 1))
+        per_pass = len(self.plan)
+        plan_epoch = epoch * -(-self.num_batches // per_pass) + start // per_pass
+        skip = start % per_pass
         while True:
-            if isinstance(self.batches, BucketingSampler):
-                yield from self.batches.rank_batches(epoch).tolist()
-            else:
-                yield from self.batches
-            epoch += 1
+            yield from self.plan.batches(plan_epoch, skip)
+            plan_epoch, skip = plan_epoch + 1, 0
 
     def __iter__(self) -> Iterator[FeatureBatch]:
-        rng = np.random.Generator(
-            np.random.PCG64(np.random.SeedSequence([self.seed, self.epoch, self.rank]))
-        )
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(_derived_seed(self.seed, self.epoch, self.rank, 1))
+        return self.epoch_batches(0, 0)
+
+    def epoch_batches(self, epoch: int, start: int) -> Iterator[FeatureBatch]:
+        """The batches of `epoch` from its `start`-th on."""
         cfg = self.features
-        index_batches = self._index_batches()
-        for _ in range(self.num_batches):
+        index_batches = self._index_batches(epoch, start)
+        gen = torch.Generator(device=self.device)
+        for batch_no in range(start, self.num_batches):
+            rng = np.random.Generator(
+                np.random.PCG64(np.random.SeedSequence([self.seed, epoch, self.rank, batch_no]))
+            )
+            gen.manual_seed(_derived_seed(self.seed, epoch, self.rank, batch_no, 1))
             idx = np.asarray(next(index_batches))
             if self.train:
                 speeds = rng.uniform(

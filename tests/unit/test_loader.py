@@ -21,6 +21,7 @@ from rnnt.config import Config, ConfigError
 from rnnt.data.features import AudioFileError, FeatureExtractor, read_audio
 from rnnt.data.loader import audio_path, build_loader, resolve_backend
 from rnnt.data.manifest import Utterance, read_manifest
+from rnnt.data.sampler import SamplerStateError
 from rnnt.data.tokenizer import Tokenizer, train_tokenizer
 from rnnt.prep.synthetic_corpus import plan_split, synthesize
 
@@ -133,17 +134,34 @@ def test_training_is_seeded_per_epoch_and_resumes_exactly(corpus):
     assert [b.utt_ids for b in epoch1] != [b.utt_ids for b in epoch0] or not torch.equal(
         epoch1[0].feats, epoch0[0].feats
     )
-    # checkpoint after one batch of epoch 1, resume in a fresh loader
-    probe = build_loader(cfg, utts, root, train=True)
+    # checkpoint after one batch of epoch 1, resume in a fresh loader. The workers were sent
+    # both batches at the first request (prefetch): the position counts the one consumed
+    probe = build_loader(_cfg(num_threads=2), utts, root, train=True)
     probe.set_epoch(1)
     next(iter(probe))
     state = probe.state_dict()
+    assert (state["epoch"], state["batches_done"]) == (1, 1)
     resumed = build_loader(cfg, utts, root, train=True)
     resumed.load_state_dict(state)
-    resumed.set_epoch(1)
+    resumed.set_epoch(1)  # the epoch it is in: the restored position stays
     rest = _batches(resumed)
     assert len(rest) == 1 and rest[0].utt_ids == epoch1[1].utt_ids
     assert torch.equal(rest[0].feats, epoch1[1].feats)
+    assert _batches(resumed) == []  # an exhausted epoch yields nothing more
+    resumed.set_epoch(2)
+    assert len(_batches(resumed)) == 2
+
+
+def test_a_saved_position_loads_only_where_it_fits(corpus):
+    utts, _, root = corpus
+    loader = build_loader(_cfg(), utts, root, train=True)
+    state = loader.state_dict()
+    with pytest.raises(SamplerStateError, match=r"batches_done 3\) is outside"):
+        loader.load_state_dict({**state, "batches_done": 3})
+    with pytest.raises(SamplerStateError, match="lacks keys"):
+        loader.load_state_dict({"epoch": 1})
+    with pytest.raises(SamplerStateError, match="num_utterances"):
+        build_loader(_cfg(), utts[:4], root, train=True).load_state_dict(state)
 
 
 def test_worker_processes_give_the_same_batches(corpus):
@@ -272,7 +290,7 @@ def test_decode_only_workers_hand_over_pcm_that_the_feature_stage_scales(corpus,
     utts, _, root = corpus
     cfg = _cfg(device="gpu")
     cfg.features.dither = 0.0
-    batch = next(iter(build_loader(cfg, utts, root, train=False).loader.loader))
+    batch = next(iter(build_loader(cfg, utts, root, train=False).loader))
     assert batch[2].dtype == torch.int16
     samples, rate = read_audio(audio_path(utts[batch[0][0]], root))
     first = batch[2][:1, : len(samples)]
@@ -286,7 +304,7 @@ def test_decode_only_workers_hand_over_pcm_that_the_feature_stage_scales(corpus,
     stereo = tmp_path / "stereo.wav"
     sf.write(stereo, np.stack([samples, 0.5 * samples], axis=1), rate, subtype="PCM_16")
     two = [utts[0], Utterance("stereo", str(stereo), len(samples) / rate, "x", [1])]
-    mixed = next(iter(build_loader(cfg, two, root, train=False).loader.loader))
+    mixed = next(iter(build_loader(cfg, two, root, train=False).loader))
     assert mixed[2].dtype == torch.float32
     rows = dict(zip(mixed[0], mixed[2], strict=True))
     assert torch.allclose(rows[1][: len(samples)], torch.from_numpy(0.75 * samples), atol=1e-4)

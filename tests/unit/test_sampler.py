@@ -15,8 +15,7 @@ def _epoch(durations, gbs, buckets, world, seed=7, epoch=1) -> list[list[list[in
     per_rank = []
     for rank in range(world):
         s = BucketingSampler(durations, gbs, buckets, rank, world, seed)
-        s.set_epoch(epoch)
-        per_rank.append(list(s))
+        per_rank.append(list(s.batches(epoch)))
     return [list(locals_) for locals_ in zip(*per_rank, strict=True)]
 
 
@@ -95,80 +94,25 @@ def test_determinism_and_epoch_dependence():
     assert used[0] != used[1]
 
 
-def test_set_epoch_moves_only_to_another_epoch():
-    s = BucketingSampler(_durations(50), 5, 1, 0, 1, 0)
-    s.set_epoch(2)
-    first = list(s)
-    assert len(first) == 10 and list(s) == []
-    s.set_epoch(2)  # the epoch it is in: the position stays (exhausted)
-    assert list(s) == []
-    s.set_epoch(3)
-    third = list(s)
-    assert len(third) == 10 and third != first
-    assert [b.tolist() for b in s.rank_batches(2)] == first
-
-
-def test_state_dict_for_a_prefetching_consumer():
-    durations = _durations(60)
-    s = BucketingSampler(durations, 6, 1, 0, 1, 2)
-    s.set_epoch(1)
-    full = list(s)
-    s = BucketingSampler(durations, 6, 1, 0, 1, 2)
-    s.set_epoch(1)
-    it = iter(s)
-    for _ in range(5):  # a loader prefetched 5 batches; training finished 3
-        next(it)
-    state = s.state_dict(batches_done=3)
-    assert state["batches_done"] == 3
-    resumed = BucketingSampler(durations, 6, 1, 0, 1, 2)
-    resumed.load_state_dict(state)
-    assert list(resumed) == full[3:]
-    with pytest.raises(ValueError, match="batches_done 6 is not in"):
-        s.state_dict(batches_done=6)
-
-
 @pytest.mark.parametrize("world", [1, 2])
-def test_resume_at_every_batch(world):
+def test_an_epoch_continues_from_any_start(world):
     durations = _durations(90)
     for rank in range(world):
-        ref = BucketingSampler(durations, 6, 3, rank, world, seed=11)
-        ref.set_epoch(3)
-        full = list(ref)
-        ref.set_epoch(4)
-        next_epoch = list(ref)
+        s = BucketingSampler(durations, 6, 3, rank, world, seed=11)
+        full = list(s.batches(3))
+        assert full == [b.tolist() for b in s.rank_batches(3)] and len(full) == len(s)
         for k in range(len(full) + 1):
-            s = BucketingSampler(durations, 6, 3, rank, world, seed=11)
-            s.set_epoch(3)
-            it = iter(s)
-            head = [next(it) for _ in range(k)]
-            state = s.state_dict()
-            assert state["batches_done"] == k and state["epoch"] == 3
-            resumed = BucketingSampler(durations, 6, 3, rank, world, seed=11)
-            resumed.load_state_dict(state)
-            resumed.set_epoch(3)  # the training loop and the loader announce the epoch
-            resumed.set_epoch(3)
-            assert head + list(resumed) == full
-            # the following epoch is unaffected by the resume
-            resumed.set_epoch(4)
-            assert list(resumed) == next_epoch
+            fresh = BucketingSampler(durations, 6, 3, rank, world, seed=11)
+            assert list(fresh.batches(3, start=k)) == full[k:]
+        assert list(s.batches(4)) != full
+    with pytest.raises(ValueError, match=r"start 16 is not in \[0, 15\]"):
+        next(s.batches(3, start=16))
 
 
-def test_resume_on_different_world_size_continues_the_global_sequence():
+def test_a_start_on_another_world_size_continues_the_global_sequence():
     durations = _durations(120)
-    one = BucketingSampler(durations, 8, 1, 0, 1, seed=5)
-    one.set_epoch(1)
-    full = list(one)
-    one = BucketingSampler(durations, 8, 1, 0, 1, seed=5)
-    one.set_epoch(1)
-    it = iter(one)
-    for _ in range(4):
-        next(it)
-    state = one.state_dict()
-    rest = []
-    for rank in range(2):
-        s = BucketingSampler(durations, 8, 1, rank, 2, seed=5)
-        s.load_state_dict(state)
-        rest.append(list(s))
+    full = list(BucketingSampler(durations, 8, 1, 0, 1, seed=5).batches(1))
+    rest = [list(BucketingSampler(durations, 8, 1, r, 2, seed=5).batches(1, 4)) for r in (0, 1)]
     assert [sorted(a + b) for a, b in zip(*rest)] == [sorted(g) for g in full[4:]]
 
 
@@ -179,11 +123,8 @@ def test_ranks_get_shares_of_equal_lengths(world):
     durations = np.asarray(_durations(4000))
     gbs = 48 * world
     samplers = [BucketingSampler(durations, gbs, 1, r, world, seed=3) for r in range(world)]
-    for s in samplers:
-        s.set_epoch(2)
     reference = BucketingSampler(durations, gbs, 1, 0, 1, seed=3)
-    reference.set_epoch(2)
-    for shares, whole in zip(zip(*samplers), reference):
+    for shares, whole in zip(zip(*(s.batches(2) for s in samplers)), reference.batches(2)):
         assert sorted(sum(shares, [])) == sorted(whole)  # the same global batch
         longest = sorted(durations[whole], reverse=True)
         for rank, share in enumerate(shares):
@@ -193,28 +134,28 @@ def test_ranks_get_shares_of_equal_lengths(world):
         assert max(totals) - min(totals) <= max(longest)
 
 
-def test_state_dict_roundtrips_through_weights_only_load(tmp_path):
+def test_identity_roundtrips_through_weights_only_load(tmp_path):
     s = BucketingSampler(_durations(40), 4, 2, 0, 1, 1)
-    s.set_epoch(2)
-    next(iter(s))
-    torch.save(s.state_dict(), tmp_path / "s.pt")
-    assert torch.load(tmp_path / "s.pt", weights_only=True) == s.state_dict()
+    torch.save(s.identity(), tmp_path / "s.pt")
+    assert torch.load(tmp_path / "s.pt", weights_only=True) == s.identity()
 
 
-def test_load_rejects_other_dataset_or_batching():
+def test_a_saved_order_fits_only_its_dataset_and_batching():
     durations = _durations(40)
-    state = BucketingSampler(durations, 4, 1, 0, 1, 1).state_dict()
+    state = BucketingSampler(durations, 4, 1, 0, 1, 1).identity()
     other = durations[:-1] + [durations[-1] + 0.01]
     with pytest.raises(ValueError, match="durations_sha256"):
-        BucketingSampler(other, 4, 1, 0, 1, 1).load_state_dict(state)
+        BucketingSampler(other, 4, 1, 0, 1, 1).adopt(state)
     with pytest.raises(ValueError, match="num_utterances"):
-        BucketingSampler(durations[:-1], 4, 1, 0, 1, 1).load_state_dict(state)
+        BucketingSampler(durations[:-1], 4, 1, 0, 1, 1).adopt(state)
     with pytest.raises(ValueError, match="global_batch_size"):
-        BucketingSampler(durations, 8, 1, 0, 1, 1).load_state_dict(state)
-    with pytest.raises(ValueError, match="batches_done"):
-        BucketingSampler(durations, 4, 1, 0, 1, 1).load_state_dict({**state, "batches_done": 11})
+        BucketingSampler(durations, 8, 1, 0, 1, 1).adopt(state)
     with pytest.raises(SamplerStateError, match="lacks keys"):  # a user error: one line
-        BucketingSampler(durations, 4, 1, 0, 1, 1).load_state_dict({"epoch": 1})
+        BucketingSampler(durations, 4, 1, 0, 1, 1).adopt({"epoch": 1})
+    # the saved seed orders the epochs: a resume keeps the run's order
+    adopted = BucketingSampler(durations, 4, 1, 0, 1, seed=9)
+    adopted.adopt(state)
+    assert list(adopted.batches(2)) == list(BucketingSampler(durations, 4, 1, 0, 1, 1).batches(2))
 
 
 @pytest.mark.parametrize(
@@ -240,7 +181,7 @@ def test_bad_arguments(args, match):
 @pytest.mark.parametrize("n,bs,world", [(1, 4, 1), (23, 5, 1), (23, 5, 3), (40, 8, 4), (3, 2, 4)])
 def test_sequential_batches(n, bs, world):
     durations = _durations(n, seed=1)
-    shards = [list(SequentialBatches(durations, bs, r, world)) for r in range(world)]
+    shards = [list(SequentialBatches(durations, bs, r, world).batches()) for r in range(world)]
     flat = [i for shard in shards for b in shard for i in b]
     assert sorted(flat) == list(range(n))
     for shard in shards:

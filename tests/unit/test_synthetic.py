@@ -194,8 +194,7 @@ def test_determinism_epochs_and_ranks(tmp_path, small_tokenizer):
             world_size=world,
             seed=seed,
         )
-        src.set_epoch(epoch)
-        out = list(src)
+        out = list(src.epoch_batches(epoch, 0))
         for b in out:  # the host copy of the lengths is the one the fused loss packs by
             assert torch.equal(b.host_lens[0], b.feat_lens.cpu())
             assert torch.equal(b.host_lens[1], b.token_lens.cpu())
@@ -226,6 +225,21 @@ def test_num_batches_cycles_through_epochs(tmp_path, small_tokenizer):
         assert len(epoch_ids) == len(set(epoch_ids))
     assert {u for b in got for u in b} <= {r[0] for r in kept}
     assert [b.utt_ids for b in src] == got  # iterating again repeats the same batches
+
+
+def test_an_epoch_resumes_at_any_batch_exactly(tmp_path, small_tokenizer):
+    """Batch k of an epoch is the same whether the epoch starts at 0 or at k (a resumed run),
+    including past the first pass over the table (num_batches beyond one sampler epoch)."""
+    path, _ = _small_table(tmp_path, n=10)
+    src = SyntheticFeatureSource(
+        path, 2, small_tokenizer, _features(2), train=True, num_batches=7, seed=5
+    )
+    full = list(src.epoch_batches(3, 0))
+    for k in range(len(full) + 1):
+        rest = list(src.epoch_batches(3, k))
+        assert [b.utt_ids for b in rest] == [b.utt_ids for b in full[k:]]
+        assert all(torch.equal(a.feats, b.feats) for a, b in zip(rest, full[k:]))
+        assert all(torch.equal(a.feat_lens, b.feat_lens) for a, b in zip(rest, full[k:]))
 
 
 def test_other_vocab_size_gives_random_ids_of_real_lengths(tmp_path, small_tokenizer):
