@@ -155,6 +155,32 @@ def test_transducer_loss_reference_backend_is_joint_then_reference():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_reference_backend_with_host_lengths_computes_only_the_lattices(dtype):
+    """Given the host lengths, the reference runs the joint on each utterance's own
+    T_b x (U_b+1) rows, never the padded box, with the padded computation's loss and
+    gradients."""
+    joint, f, g, f_lens, targets, target_lens = _joint_inputs(b=3, t=7, u=5)
+    joint = joint.to(dtype)
+    f, g = (x.detach().to(dtype).requires_grad_(True) for x in (f, g))
+    leaves = (f, g, joint.fc.weight)
+    loss = TransducerLoss("reference", 5)
+    padded = loss(joint, f, g, f_lens, targets, target_lens)
+    padded_grads = torch.autograd.grad(padded, leaves)
+    rows = []
+    hook = joint.register_forward_hook(
+        lambda _m, inputs, _out: rows.append(inputs[0].shape[1] * inputs[1].shape[1])
+    )
+    host = (f_lens.tolist(), target_lens.tolist())
+    packed = loss(joint, f, g, f_lens, targets, target_lens, host_lens=host)
+    hook.remove()
+    assert sum(rows) == sum(t * (u + 1) for t, u in zip(*host)) < f.shape[0] * 7 * 6
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else {}
+    torch.testing.assert_close(packed, padded, **tol)
+    for got, want in zip(torch.autograd.grad(packed, leaves), padded_grads, strict=True):
+        torch.testing.assert_close(got, want, **tol)
+
+
 def test_reference_backend_computes_in_float32_for_half_inputs():
     joint, f, g, f_lens, targets, target_lens = _joint_inputs()
     loss32 = TransducerLoss("reference", 5)(joint, f, g, f_lens, targets, target_lens)
