@@ -153,9 +153,12 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["torch", "dali"])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument(
-        "--resampling", nargs="+", choices=["gpu", "cpu"], default=["gpu"],
+        "--resampling",
+        nargs="+",
+        choices=["gpu", "cpu"],
+        default=["gpu"],
         help="where speed perturbation resamples (data.resampling_device; GPU runs only)",
-    )  # fmt: skip
+    )
     parser.add_argument("--threads", type=int, nargs="+", default=[8], help="data.num_threads")
     parser.add_argument("--batch-size", type=int, default=192)
     parser.add_argument("--warmup", type=int, default=5, help="untimed batches first")

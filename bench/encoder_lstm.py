@@ -91,9 +91,13 @@ def bench_stack(name: str, batch: int, p: float, repeats: int) -> list[dict]:
         return step
 
     rows = [
-        {"stack": name, "impl": "cudnn", "forward_ms": graph_ms(cudnn_forward, repeats),
-         "train_ms": graph_ms(train(cudnn_forward), repeats)}
-    ]  # fmt: skip
+        {
+            "stack": name,
+            "impl": "cudnn",
+            "forward_ms": graph_ms(cudnn_forward, repeats),
+            "train_ms": graph_ms(train(cudnn_forward), repeats),
+        }
+    ]
     lib = lstm_wave.library()
     first = None
     for fv in range(lib.wave_lstm_variants(0)):
@@ -106,10 +110,14 @@ def bench_stack(name: str, batch: int, p: float, repeats: int) -> list[dict]:
             else:
                 same = all(torch.equal(a, b) for a, b in zip(first, got))
             rows.append(
-                {"stack": name, "impl": f"wave {fv}/{bv}", "same_as_first_wave": same,
-                 "forward_ms": graph_ms(lambda k=kernels: wave_forward(k), repeats),
-                 "train_ms": graph_ms(train(lambda k=kernels: wave_forward(k)), repeats)}
-            )  # fmt: skip
+                {
+                    "stack": name,
+                    "impl": f"wave {fv}/{bv}",
+                    "same_as_first_wave": same,
+                    "forward_ms": graph_ms(lambda k=kernels: wave_forward(k), repeats),
+                    "train_ms": graph_ms(train(lambda k=kernels: wave_forward(k)), repeats),
+                }
+            )
     for row in rows:
         row["backward_ms"] = row["train_ms"] - row["forward_ms"]
         row["per_step_us"] = 1000 * row["train_ms"] / frames
@@ -134,12 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.stacks:
         rows += bench_stack(name, args.batch, args.dropout, args.repeats)
     print(f"{torch.cuda.get_device_name()}, batch {args.batch}, dropout {args.dropout}, fp16")
-    print(f"{'stack':6} {'impl':10} {'forward ms':>10} {'backward ms':>11} {'fwd+bwd ms':>10} "
-          f"{'us/frame':>8}  same")  # fmt: skip
+    print(
+        f"{'stack':6} {'impl':10} {'forward ms':>10} {'backward ms':>11} {'fwd+bwd ms':>10} "
+        f"{'us/frame':>8}  same"
+    )
     for r in rows:
         same = "" if r.get("same_as_first_wave") is None else str(r["same_as_first_wave"])
-        print(f"{r['stack']:6} {r['impl']:10} {r['forward_ms']:10.2f} {r['backward_ms']:11.2f} "
-              f"{r['train_ms']:10.2f} {r['per_step_us']:8.1f}  {same}")  # fmt: skip
+        print(
+            f"{r['stack']:6} {r['impl']:10} {r['forward_ms']:10.2f} {r['backward_ms']:11.2f} "
+            f"{r['train_ms']:10.2f} {r['per_step_us']:8.1f}  {same}"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(

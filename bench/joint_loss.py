@@ -38,8 +38,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-FIXED_SHAPES = {"192x204x44": (192, 204, 44), "192x279x125": (192, 279, 125),
-                "32x279x125": (32, 279, 125)}  # fmt: skip
+FIXED_SHAPES = {
+    "192x204x44": (192, 204, 44),
+    "192x279x125": (192, 279, 125),
+    "32x279x125": (32, 279, 125),
+}
 RAGGED = "librispeech_ragged_192"
 # The fused joint + loss's time target on an H200 at the typical MLPerf batch, fp16 (the size
 # the performance work was judged by, docs/PERFORMANCE.md "Fused joint + loss at (192, 204,
@@ -191,9 +194,23 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for shape in args.shapes:
         for backend in args.backends:
-            cmd = [sys.executable, __file__, "--worker", "--backend", backend, "--shape", shape,
-                   "--dtype", args.dtype, "--repeats", str(args.repeats),
-                   "--warmup", str(args.warmup), "--lengths", args.lengths]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--backend",
+                backend,
+                "--shape",
+                shape,
+                "--dtype",
+                args.dtype,
+                "--repeats",
+                str(args.repeats),
+                "--warmup",
+                str(args.warmup),
+                "--lengths",
+                args.lengths,
+            ]
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -238,10 +255,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _format_row(row: dict) -> str:
     if row.get("status") == "ok":
-        return (f"{row['shape']:<24} {row['backend']:<20} {row['gemm']:<7} "
-                f"{row['median_ms']:>10.2f} {row['extra_gib']:>10.3f}  ok")  # fmt: skip
-    return (f"{row['shape']:<24} {row['backend']:<20} {'-':<7} {'-':>10} {'-':>10}  "
-            f"{row['error']}")  # fmt: skip
+        return (
+            f"{row['shape']:<24} {row['backend']:<20} {row['gemm']:<7} "
+            f"{row['median_ms']:>10.2f} {row['extra_gib']:>10.3f}  ok"
+        )
+    return f"{row['shape']:<24} {row['backend']:<20} {'-':<7} {'-':>10} {'-':>10}  {row['error']}"
 
 
 if __name__ == "__main__":

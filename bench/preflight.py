@@ -34,8 +34,11 @@ from rnnt.data.preflight import check_audio_files, preflight
 from rnnt.prep.manifests import write_manifest
 
 # LibriSpeech's training splits: utterances, speakers
-SPLITS = {"train-clean-100": (28_539, 251), "train-clean-360": (104_014, 921),
-          "train-other-500": (148_688, 1_166)}  # fmt: skip
+SPLITS = {
+    "train-clean-100": (28_539, 251),
+    "train-clean-360": (104_014, 921),
+    "train-other-500": (148_688, 1_166),
+}
 CHAPTERS_PER_SPEAKER = 2.4  # 5,466 chapters over 2,338 speakers in LibriSpeech
 N_CLASSES = 1024
 

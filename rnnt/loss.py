@@ -235,10 +235,19 @@ class FusedLoss(LossBackend):
         dt = f.dtype
         # reduction='mean' inside the kernel call: its gradients then come out of one pass
         return self.module.fused_joint_loss(
-            f, g.to(dt), weight.to(dt), bias.to(dt), f_lens, targets, target_lens,
-            blank=self.blank, dropout_p=p, host_lens=host_lens, reduction="mean",
+            f,
+            g.to(dt),
+            weight.to(dt),
+            bias.to(dt),
+            f_lens,
+            targets,
+            target_lens,
+            blank=self.blank,
+            dropout_p=p,
+            host_lens=host_lens,
+            reduction="mean",
             gemm=self.fused_gemm,
-        )  # fmt: skip
+        )
 
 
 class ApexLoss(LossBackend):
@@ -276,9 +285,14 @@ class ApexLoss(LossBackend):
         )  # (sum_b T_b (U_b+1), H)
         logits = torch.nn.functional.linear(h, weight, bias)
         nll = self._loss(
-            logits, targets.int(), f_lens, target_lens.int(), self.blank,
-            batch_offset=batch_offset, max_f_len=f.shape[1],
-        )  # fmt: skip
+            logits,
+            targets.int(),
+            f_lens,
+            target_lens.int(),
+            self.blank,
+            batch_offset=batch_offset,
+            max_f_len=f.shape[1],
+        )
         return nll.float().mean()
 
 

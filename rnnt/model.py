@@ -204,9 +204,13 @@ class Encoder(nn.Module):
         )
         self.stack_time = StackTime(cfg.enc_stack_time_factor)
         self.post_rnn = StackedLSTM(
-            hid * cfg.enc_stack_time_factor, hid, cfg.enc_post_rnn_layers, cfg.enc_dropout, cfg,
+            hid * cfg.enc_stack_time_factor,
+            hid,
+            cfg.enc_post_rnn_layers,
+            cfg.enc_dropout,
+            cfg,
             cfg.encoder_lstm,
-        )  # fmt: skip
+        )
         self.joint_enc = nn.Linear(hid, cfg.joint_n_hid)
 
     def forward(self, x: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -141,12 +141,20 @@ class RunLog:
             parts.append(f"dropped utterances {dropped_utterances}")
         self._print(" | ".join(parts))
         fields = dict(
-            step=step, epoch=epoch, loss=float(loss), lr=float(lr),
-            utts_per_s=window.utts_per_s, step_ms=window.step_ms, window_steps=window.steps,
-            data_wait_share=window.data_wait_share, peak_memory_gib=window.peak_memory_gib,
-            mfu=window.mfu, loss_scale=float(loss_scale), skipped_steps=int(skipped_steps),
+            step=step,
+            epoch=epoch,
+            loss=float(loss),
+            lr=float(lr),
+            utts_per_s=window.utts_per_s,
+            step_ms=window.step_ms,
+            window_steps=window.steps,
+            data_wait_share=window.data_wait_share,
+            peak_memory_gib=window.peak_memory_gib,
+            mfu=window.mfu,
+            loss_scale=float(loss_scale),
+            skipped_steps=int(skipped_steps),
             dropped_utterances=dropped_utterances,
-        )  # fmt: skip
+        )
         self._record("train", {k: v for k, v in fields.items() if v is not None})
 
     def eval(self, epoch: int, step: int, wer: float, utterances: int, seconds: float) -> None:
@@ -160,19 +168,26 @@ class RunLog:
         self._record(
             "eval",
             dict(
-                epoch=epoch, step=step, wer=float(wer), utterances=int(utterances),
+                epoch=epoch,
+                step=step,
+                wer=float(wer),
+                utterances=int(utterances),
                 seconds=float(seconds),
             ),
-        )  # fmt: skip
+        )
 
     def progress(self, iterable: Iterable, total: int | None = None, desc: str = ""):
         """A tqdm bar with its ETA over `iterable`, shown only on the main rank and an
         interactive stderr (never in batch logs, where it would only add carriage-return
         noise: those get the plain log lines alone)."""
         return tqdm(
-            iterable, total=total, desc=desc, leave=False, dynamic_ncols=True,
+            iterable,
+            total=total,
+            desc=desc,
+            leave=False,
+            dynamic_ncols=True,
             disable=not (self.is_main and sys.stderr.isatty()),
-        )  # fmt: skip
+        )
 
 
 def read_metrics(path: str | Path) -> list[dict]:

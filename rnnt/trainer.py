@@ -454,9 +454,12 @@ class Trainer:
         with torch.no_grad():
             torch._foreach_copy_(list(self.eval_model.parameters()), self._full_ema())
         return evaluate(
-            self.decoder, self.data.val, self.eval_transform, detokenizer(self.tokenizer),
+            self.decoder,
+            self.data.val,
+            self.eval_transform,
+            detokenizer(self.tokenizer),
             self.ctx,
-        )  # fmt: skip
+        )
 
     def fit(self) -> bool:
         """Train to the target; returns True when the target WER was reached."""

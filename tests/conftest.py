@@ -83,14 +83,24 @@ def tiny_sets(corpus):
 
     def sets(out: Path, *extra: str) -> list[str]:
         values = [
-            f"data.dataset_dir={root}", f"data.train_manifests=[{root / 'train.jsonl'}]",
-            f"data.val_manifests=[{root / 'dev.jsonl'}]", f"data.tokenizer={corpus['tokenizer']}",
-            "data.backend=torch", "data.num_threads=0", "data.num_buckets=1",
-            "model.n_classes=21", "model.enc_n_hid=32", "model.pred_n_hid=16",
-            "model.joint_n_hid=32", "training.batch_size=8", "training.epochs=1",
-            "training.log_frequency=1", f"training.output_dir={out}", "eval.batch_size=6",
+            f"data.dataset_dir={root}",
+            f"data.train_manifests=[{root / 'train.jsonl'}]",
+            f"data.val_manifests=[{root / 'dev.jsonl'}]",
+            f"data.tokenizer={corpus['tokenizer']}",
+            "data.backend=torch",
+            "data.num_threads=0",
+            "data.num_buckets=1",
+            "model.n_classes=21",
+            "model.enc_n_hid=32",
+            "model.pred_n_hid=16",
+            "model.joint_n_hid=32",
+            "training.batch_size=8",
+            "training.epochs=1",
+            "training.log_frequency=1",
+            f"training.output_dir={out}",
+            "eval.batch_size=6",
             *extra,
-        ]  # fmt: skip
+        ]
         return [arg for value in values for arg in ("--set", value)]
 
     return sets

@@ -51,9 +51,11 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
         ax_loss.plot(steps, losses, label=f"{name} train loss" if several else "train loss")
         epochs, wers = _numeric(_evals(records), "epoch", "wer")
         ax_wer.plot(
-            epochs, [100 * w for w in wers], marker="o", label=f"{name} dev WER" if several else
-            "dev WER",
-        )  # fmt: skip
+            epochs,
+            [100 * w for w in wers],
+            marker="o",
+            label=f"{name} dev WER" if several else "dev WER",
+        )
     first = next(iter(runs.values()))
     lr_steps, lrs = _numeric(_train(first), "step", "lr")
     ax_lr.plot(lr_steps, lrs, color="tab:gray", linestyle="--", label="learning rate")
@@ -133,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     labels = args.labels or [p.parent.name or str(p) for p in args.metrics]
     if len(labels) != len(args.metrics) or len(set(labels)) != len(labels):
-        print(f"error: {len(args.metrics)} metrics files need as many distinct labels, got "
-              f"{labels}", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: {len(args.metrics)} metrics files need as many distinct labels, got {labels}",
+            file=sys.stderr,
+        )
         return 2
     runs = {}
     for label, path in zip(labels, args.metrics, strict=True):

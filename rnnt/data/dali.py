@@ -215,8 +215,17 @@ class DaliFeatureIterator:
         if device == "gpu" and device_id is None:
             device_id = torch.cuda.current_device()
         self._train = train
-        self._build_args = (cfg, train, self._source(), max_batch_size, num_threads, seed, device,
-                            resampling_device, device_id)  # fmt: skip
+        self._build_args = (
+            cfg,
+            train,
+            self._source(),
+            max_batch_size,
+            num_threads,
+            seed,
+            device,
+            resampling_device,
+            device_id,
+        )
         self.pipeline = build_pipeline(*self._build_args)
         self._passes = 0
 

@@ -53,9 +53,15 @@ def build_eval_loader(cfg: Config, utts: Sequence[Utterance], ctx: DistContext, 
     if not utts:
         raise ConfigError(f"data.val_manifests {cfg.data.val_manifests}: no utterances")
     return build_loader(
-        cfg, utts, cfg.data.dataset_dir, train=False, rank=ctx.rank,
-        world_size=ctx.world_size, device=ctx.device, tokenizer=tokenizer,
-    )  # fmt: skip
+        cfg,
+        utts,
+        cfg.data.dataset_dir,
+        train=False,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        device=ctx.device,
+        tokenizer=tokenizer,
+    )
 
 
 def build_eval_data(cfg: Config, ctx: DistContext) -> tuple[object, PreflightResult]:
@@ -94,9 +100,16 @@ def build_train_data(
         seed=tcfg.seed,
     )
     train = build_loader(
-        cfg, kept, dcfg.dataset_dir, train=True, sampler=sampler, rank=ctx.rank,
-        world_size=ctx.world_size, device=ctx.device, tokenizer=checked.tokenizer,
-    )  # fmt: skip
+        cfg,
+        kept,
+        dcfg.dataset_dir,
+        train=True,
+        sampler=sampler,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        device=ctx.device,
+        tokenizer=checked.tokenizer,
+    )
     val = build_eval_loader(cfg, checked.val, ctx, checked.tokenizer)
     info(
         f"data: {len(kept)} train utterances ({len(checked.train) - len(kept)} dropped longer "
@@ -118,9 +131,13 @@ def _synthetic(
             dcfg.synthetic_train_lengths, cfg.model.n_classes - 1, out_dir / "tokenizer"
         )
     common = dict(
-        tokenizer=tokenizer, features=cfg.features, rank=ctx.rank, world_size=ctx.world_size,
-        seed=cfg.training.seed, device=ctx.device,
-    )  # fmt: skip
+        tokenizer=tokenizer,
+        features=cfg.features,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        seed=cfg.training.seed,
+        device=ctx.device,
+    )
     source = SyntheticFeatureSource(
         dcfg.synthetic_train_lengths,
         cfg.training.batch_size * cfg.training.grad_accumulation,

@@ -141,12 +141,34 @@ def joint_hidden(f, g, f_lens, target_lens, p: float, seed: int, packed_math: bo
     lens = (x.to(f.device, torch.int32).contiguous() for x in (f_lens, target_lens))
     unused = torch.zeros(1, dtype=torch.int32, device=f.device)  # offsets, labels, cells
     hidden_kernel[(bsz * t_max, triton.cdiv(u1, HIDDEN_U_TILE))](
-        f.contiguous(), g.contiguous(), *lens, unused, unused, out, unused, unused, 0, unused,
-        unused, 0, 0, t_max, u1, hid, 1, seed, _threshold(p), BU=HIDDEN_U_TILE, HP=_hp(hid),
-        DROPOUT=p > 0, PACKED=False,
+        f.contiguous(),
+        g.contiguous(),
+        *lens,
+        unused,
+        unused,
+        out,
+        unused,
+        unused,
+        0,
+        unused,
+        unused,
+        0,
+        0,
+        t_max,
+        u1,
+        hid,
+        1,
+        seed,
+        _threshold(p),
+        BU=HIDDEN_U_TILE,
+        HP=_hp(hid),
+        DROPOUT=p > 0,
+        PACKED=False,
         GATE_ASM=gate_asm(f.dtype, f.device, hid) if packed_math and _compiled(f.device) else "",
-        LABELS=False, GATES=False, num_warps=HIDDEN_WARPS,
-    )  # fmt: skip
+        LABELS=False,
+        GATES=False,
+        num_warps=HIDDEN_WARPS,
+    )
     return out
 
 
@@ -245,10 +267,13 @@ class _Chunks:
         separate_dl = backward and logits_dtype != dtype
         part_width = v // logits_gemm.TILE_N * 2
         gate_bytes = _hp(hid) // 8
-        per_row = (hid * dtype.itemsize * (2 if backward else 1) + v * logits_dtype.itemsize
-                   + (v * dtype.itemsize if separate_dl else 0)
-                   + (part_width * 4 if partials else 0)
-                   + (gate_bytes if backward else 0))  # fmt: skip
+        per_row = (
+            hid * dtype.itemsize * (2 if backward else 1)
+            + v * logits_dtype.itemsize
+            + (v * dtype.itemsize if separate_dl else 0)
+            + (part_width * 4 if partials else 0)
+            + (gate_bytes if backward else 0)
+        )
         starts = layout.starts
         self.spans = [
             (b0, bc, starts[b0], starts[b0 + bc] - starts[b0])
@@ -283,8 +308,9 @@ class _Problem:
     buffer (filled by the hidden kernel), the dropout constants and the logits GEMM (`gemm`:
     one of rnnt.kernels.logits_gemm.GEMMS)."""
 
-    def __init__(self, f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank,
-                 p_drop, seed, gemm):  # fmt: skip
+    def __init__(
+        self, f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, p_drop, seed, gemm
+    ):
         self.bsz, self.t_max, self.hid = f.shape
         self.u1 = g.shape[1]
         self.v = weight.shape[0]
@@ -344,22 +370,47 @@ class _Problem:
         b0, bc, row0, n, h, logits = chunk[:6]
         layout = self.layout
         hidden_kernel[(bc * self.t_max, triton.cdiv(self.u1, HIDDEN_U_TILE))](
-            self.f, self.g, self.f_lens, self.target_lens, self.offs, self.soffs, h,
-            h if chunk.gates is None else chunk.gates, self.targets, self.targets.stride(0),
-            self.label_rows, self.dest_rows, b0, row0, self.t_max, self.u1, self.hid, self.v,
-            *self.dropout, BU=HIDDEN_U_TILE, HP=_hp(self.hid), DROPOUT=self.has_dropout,
-            PACKED=layout.packed, GATE_ASM=self.gate_asm, LABELS=forward,
-            GATES=chunk.gates is not None, num_warps=HIDDEN_WARPS,
-        )  # fmt: skip
+            self.f,
+            self.g,
+            self.f_lens,
+            self.target_lens,
+            self.offs,
+            self.soffs,
+            h,
+            h if chunk.gates is None else chunk.gates,
+            self.targets,
+            self.targets.stride(0),
+            self.label_rows,
+            self.dest_rows,
+            b0,
+            row0,
+            self.t_max,
+            self.u1,
+            self.hid,
+            self.v,
+            *self.dropout,
+            BU=HIDDEN_U_TILE,
+            HP=_hp(self.hid),
+            DROPOUT=self.has_dropout,
+            PACKED=layout.packed,
+            GATE_ASM=self.gate_asm,
+            LABELS=forward,
+            GATES=chunk.gates is not None,
+            num_warps=HIDDEN_WARPS,
+        )
         w_t = self.weight.t()
         if forward and self.sm90:
             if self.bias32 is None:
                 # not before the first launch: a synchronized call's GPU waits for that
                 self.bias32 = self.bias.float()
             logits_gemm.logits_with_partials(
-                h, self.weight, self.bias32, self.gate_scale * LOG2E.value, logits,
+                h,
+                self.weight,
+                self.bias32,
+                self.gate_scale * LOG2E.value,
+                logits,
                 chunk.partials,
-            )  # fmt: skip
+            )
         elif logits.dtype == h.dtype:
             torch.mm(h, w_t, out=logits)
         else:
@@ -373,18 +424,45 @@ class _Problem:
         if self.sm90:
             n_tiles = self.v // logits_gemm.TILE_N
             stats_from_partials_kernel[(triton.cdiv(n, PARTIALS_ROWS),)](
-                chunk.partials, logits, self.bias, self.label_rows, self.dest_rows, lattice.lse,
-                lattice.skew_blank, lattice.skew_label, row0, n, self.v, self.blank,
-                self.gate_scale, NT=n_tiles, NTP=triton.next_power_of_2(n_tiles), BR=PARTIALS_ROWS,
+                chunk.partials,
+                logits,
+                self.bias,
+                self.label_rows,
+                self.dest_rows,
+                lattice.lse,
+                lattice.skew_blank,
+                lattice.skew_label,
+                row0,
+                n,
+                self.v,
+                self.blank,
+                self.gate_scale,
+                NT=n_tiles,
+                NTP=triton.next_power_of_2(n_tiles),
+                BR=PARTIALS_ROWS,
                 num_warps=4,
-            )  # fmt: skip
+            )
             return
         br, bn, warps, programs = _row_launch(STATS_LAUNCH, self.v, n, self.dev)
         logit_stats_kernel[(programs,)](
-            logits, self.bias, self.label_rows, self.dest_rows, lattice.lse, lattice.skew_blank,
-            lattice.skew_label, row0, n, self.v, self.blank, self.gate_scale, BR=br, BN=bn,
-            EVEN=bn == self.v, STAGES=STATS_STAGES, num_warps=warps,
-        )  # fmt: skip
+            logits,
+            self.bias,
+            self.label_rows,
+            self.dest_rows,
+            lattice.lse,
+            lattice.skew_blank,
+            lattice.skew_label,
+            row0,
+            n,
+            self.v,
+            self.blank,
+            self.gate_scale,
+            BR=br,
+            BN=bn,
+            EVEN=bn == self.v,
+            STAGES=STATS_STAGES,
+            num_warps=warps,
+        )
 
 
 class _Lattice:
@@ -411,16 +489,38 @@ class _Lattice:
         packed = prob.layout.packed
         if prob.cuda_walk:
             lattice_walk.walk(
-                self.skew_blank, self.skew_label, prob.soffs, prob.f_lens,
-                prob.target_lens, self.alpha, self.beta, self.log_lik, b0, bc, prob.t_max,
-                prob.u1, packed,
-            )  # fmt: skip
+                self.skew_blank,
+                self.skew_label,
+                prob.soffs,
+                prob.f_lens,
+                prob.target_lens,
+                self.alpha,
+                self.beta,
+                self.log_lik,
+                b0,
+                bc,
+                prob.t_max,
+                prob.u1,
+                packed,
+            )
             return
         lattice_kernel[(bc, 2)](
-            self.skew_blank, self.skew_label, prob.soffs, prob.f_lens, prob.target_lens,
-            self.alpha, self.beta, self.log_lik, b0, prob.t_max, prob.u1, BLOCK_U=self.block_u,
-            PACKED=packed, HW_LOG2=prob.compiled, num_warps=LATTICE_WARPS,
-        )  # fmt: skip
+            self.skew_blank,
+            self.skew_label,
+            prob.soffs,
+            prob.f_lens,
+            prob.target_lens,
+            self.alpha,
+            self.beta,
+            self.log_lik,
+            b0,
+            prob.t_max,
+            prob.u1,
+            BLOCK_U=self.block_u,
+            PACKED=packed,
+            HW_LOG2=prob.compiled,
+            num_warps=LATTICE_WARPS,
+        )
 
     def posteriors(self, b0: int, bc: int, weights: torch.Tensor | None = None):
         """(occupancy, w_blank, w_label) rows, those of utterances [b0, b0 + bc) filled in (times
@@ -428,12 +528,27 @@ class _Lattice:
         prob = self.prob
         bt = max(1, 2048 // self.block_u)
         posteriors_kernel[(bc, triton.cdiv(prob.t_max, bt))](
-            self.skew_blank, self.skew_label, prob.offs, prob.soffs, prob.f_lens,
-            prob.target_lens, self.alpha, self.beta, self.log_lik,
+            self.skew_blank,
+            self.skew_label,
+            prob.offs,
+            prob.soffs,
+            prob.f_lens,
+            prob.target_lens,
+            self.alpha,
+            self.beta,
+            self.log_lik,
             self.log_lik if weights is None else weights,
-            self.occ, self.w_blank, self.w_label, b0, prob.t_max, prob.u1, BT=bt,
-            BLOCK_U=self.block_u, PACKED=prob.layout.packed, WEIGHTED=weights is not None,
-        )  # fmt: skip
+            self.occ,
+            self.w_blank,
+            self.w_label,
+            b0,
+            prob.t_max,
+            prob.u1,
+            BT=bt,
+            BLOCK_U=self.block_u,
+            PACKED=prob.layout.packed,
+            WEIGHTED=weights is not None,
+        )
         return self.occ, self.w_blank, self.w_label
 
 
@@ -456,27 +571,59 @@ class _Gradients:
         self.dbias_part = torch.zeros(self.dl_launch[3], v, dtype=torch.float32, device=dev)
         self.df = torch.zeros(prob.bsz, t_max, hid, dtype=torch.float32, device=dev)
         self.dg = torch.empty(prob.bsz, u1, hid, dtype=torch.float32, device=dev)
-        self.dg_part = torch.empty(self.splits, chunks.max_bc, u1, hid, dtype=torch.float32,
-                                   device=dev)  # fmt: skip
+        self.dg_part = torch.empty(
+            self.splits, chunks.max_bc, u1, hid, dtype=torch.float32, device=dev
+        )
 
     def add(self, prob: _Problem, chunk: _Chunk, lse: torch.Tensor, posteriors) -> None:
         b0, bc, row0, n, h, logits, dl, dh = chunk[:8]
         br, bn, warps, programs = self.dl_launch
         dlogits_kernel[(programs,)](
-            logits, dl, prob.bias, prob.label_rows, lse, *posteriors,
-            self.dbias_part, row0, n, prob.v, prob.blank, prob.gate_scale, BR=br, BN=bn,
-            EVEN=bn == prob.v, STAGES=DLOGITS_STAGES, num_warps=warps,
-        )  # fmt: skip
+            logits,
+            dl,
+            prob.bias,
+            prob.label_rows,
+            lse,
+            *posteriors,
+            self.dbias_part,
+            row0,
+            n,
+            prob.v,
+            prob.blank,
+            prob.gate_scale,
+            BR=br,
+            BN=bn,
+            EVEN=bn == prob.v,
+            STAGES=DLOGITS_STAGES,
+            num_warps=warps,
+        )
         _add_mm_fp32(self.dw, dl.t(), h)
         torch.mm(dl, prob.weight, out=dh)
         t_per_split = triton.cdiv(prob.t_max, self.splits)
         grid = (bc, triton.cdiv(prob.hid, FG_H_TILE), self.splits * triton.cdiv(prob.u1, self.bu))
         grad_fg_kernel[grid](
-            dh, chunk.gates, prob.f_lens, prob.target_lens, prob.offs, self.df, self.dg_part, b0,
-            row0, self.max_bc, prob.t_max, prob.u1, prob.hid, t_per_split, BU=self.bu,
-            BK=FG_H_TILE, HP=_hp(prob.hid), ATOMIC_DF=prob.u1 > self.bu, PACKED=prob.layout.packed,
-            STAGES=FG_STAGES, num_warps=FG_WARPS,
-        )  # fmt: skip
+            dh,
+            chunk.gates,
+            prob.f_lens,
+            prob.target_lens,
+            prob.offs,
+            self.df,
+            self.dg_part,
+            b0,
+            row0,
+            self.max_bc,
+            prob.t_max,
+            prob.u1,
+            prob.hid,
+            t_per_split,
+            BU=self.bu,
+            BK=FG_H_TILE,
+            HP=_hp(prob.hid),
+            ATOMIC_DF=prob.u1 > self.bu,
+            PACKED=prob.layout.packed,
+            STAGES=FG_STAGES,
+            num_warps=FG_WARPS,
+        )
         # chunks hold whole utterances: each row of dg is written once
         torch.sum(self.dg_part[:, :bc], 0, out=self.dg[b0 : b0 + bc])
 
@@ -513,10 +660,26 @@ class _FusedJointLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, p_drop,
-                seed, reduction, one_pass, gemm):  # fmt: skip
-        prob = _Problem(f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank,
-                        p_drop, seed, gemm)  # fmt: skip
+    def forward(
+        ctx,
+        f,
+        g,
+        weight,
+        bias,
+        f_lens,
+        targets,
+        target_lens,
+        host_lens,
+        blank,
+        p_drop,
+        seed,
+        reduction,
+        one_pass,
+        gemm,
+    ):
+        prob = _Problem(
+            f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, p_drop, seed, gemm
+        )
         chunks = prob.chunks(backward=one_pass, stats=True)
         lattice = grads = None
         for chunk in chunks:
@@ -661,9 +824,21 @@ def fused_joint_loss(
     # thread for f's device)
     with torch.cuda.device(f.device) if f.is_cuda else contextlib.nullcontext():
         return _FusedJointLoss.apply(
-            f, g, weight, bias, f_lens, targets, target_lens, host_lens, blank, float(dropout_p),
-            seed, reduction, one_pass, gemm,
-        )  # fmt: skip
+            f,
+            g,
+            weight,
+            bias,
+            f_lens,
+            targets,
+            target_lens,
+            host_lens,
+            blank,
+            float(dropout_p),
+            seed,
+            reduction,
+            one_pass,
+            gemm,
+        )
 
 
 def resolve(

@@ -113,8 +113,9 @@ def _diagonals(b, u_len, soffs_ptr, T, U1, PACKED: tl.constexpr):
 
 
 @triton.jit
-def _diagonal(skb_ptr, skl_ptr, sfirst, width, n, t_len, u_len, BLOCK_U: tl.constexpr,
-              ALPHA: tl.constexpr):  # fmt: skip
+def _diagonal(
+    skb_ptr, skl_ptr, sfirst, width, n, t_len, u_len, BLOCK_U: tl.constexpr, ALPHA: tl.constexpr
+):
     """Anti-diagonal n's lanes u: whether cell (n - u, u) is in the lattice, its diagonal-major
     index, and the two log-probabilities the recursion adds there (alpha: the blank from above
     and the label from the left; beta: the cell's own blank and label), log 0 where a move does
@@ -134,9 +135,21 @@ def _diagonal(skb_ptr, skl_ptr, sfirst, width, n, t_len, u_len, BLOCK_U: tl.cons
 
 @triton.jit(do_not_specialize=["T", "U1", "b0"])
 def lattice_kernel(
-    skb_ptr, skl_ptr, soffs_ptr, flen_ptr, tlen_ptr, alpha_ptr, beta_ptr, ll_ptr, b0, T, U1,
-    BLOCK_U: tl.constexpr, PACKED: tl.constexpr, HW_LOG2: tl.constexpr,
-):  # fmt: skip
+    skb_ptr,
+    skl_ptr,
+    soffs_ptr,
+    flen_ptr,
+    tlen_ptr,
+    alpha_ptr,
+    beta_ptr,
+    ll_ptr,
+    b0,
+    T,
+    U1,
+    BLOCK_U: tl.constexpr,
+    PACKED: tl.constexpr,
+    HW_LOG2: tl.constexpr,
+):
     """alpha (program (i, 0)) or beta and log P (program (i, 1)) of utterance b0 + i, all
     diagonal-major (`_diagonals`). rnnt.kernels.lattice_walk runs the same arithmetic in CUDA
     C++ (bitwise the same outputs), faster; this kernel is its reference and fallback.
@@ -163,8 +176,9 @@ def lattice_kernel(
         left = tl.maximum(u - 1, 0)
         alpha = tl.where(u == 0, 0.0, _KNEG).to(tl.float64)
         tl.store(alpha_ptr + sfirst + u, alpha, mask=u == 0)
-        ok, cell, lpb, lpl = _diagonal(skb_ptr, skl_ptr, sfirst, width, 1, t_len, u_len, BLOCK_U,
-                                       True)  # fmt: skip
+        ok, cell, lpb, lpl = _diagonal(
+            skb_ptr, skl_ptr, sfirst, width, 1, t_len, u_len, BLOCK_U, True
+        )
         for n in range(1, n_diag):
             nxt = _diagonal(skb_ptr, skl_ptr, sfirst, width, n + 1, t_len, u_len, BLOCK_U, True)
             emit = tl.gather(alpha, left, 0) + lpl
@@ -177,11 +191,13 @@ def lattice_kernel(
         # probability one, and beta[0, 0] = log P
         right = tl.minimum(u + 1, BLOCK_U - 1)
         beta = tl.where(u == u_len, 0.0, _KNEG).to(tl.float64)
-        ok, cell, lpb, lpl = _diagonal(skb_ptr, skl_ptr, sfirst, width, n_diag - 1, t_len, u_len,
-                                       BLOCK_U, False)  # fmt: skip
+        ok, cell, lpb, lpl = _diagonal(
+            skb_ptr, skl_ptr, sfirst, width, n_diag - 1, t_len, u_len, BLOCK_U, False
+        )
         for i in range(0, n_diag):
-            nxt = _diagonal(skb_ptr, skl_ptr, sfirst, width, n_diag - 2 - i, t_len, u_len,
-                            BLOCK_U, False)  # fmt: skip
+            nxt = _diagonal(
+                skb_ptr, skl_ptr, sfirst, width, n_diag - 2 - i, t_len, u_len, BLOCK_U, False
+            )
             emit = tl.gather(beta, right, 0) + lpl
             beta = tl.where(ok, _logaddexp(beta + lpb, emit, HW_LOG2), _KNEG)
             tl.store(beta_ptr + cell, beta, mask=ok)
@@ -191,10 +207,27 @@ def lattice_kernel(
 
 @triton.jit(do_not_specialize=["T", "U1", "b0"])
 def posteriors_kernel(
-    skb_ptr, skl_ptr, offs_ptr, soffs_ptr, flen_ptr, tlen_ptr, alpha_ptr, beta_ptr, ll_ptr,
-    weight_ptr, occ_ptr, wb_ptr, wl_ptr, b0, T, U1, BT: tl.constexpr, BLOCK_U: tl.constexpr,
-    PACKED: tl.constexpr, WEIGHTED: tl.constexpr,
-):  # fmt: skip
+    skb_ptr,
+    skl_ptr,
+    offs_ptr,
+    soffs_ptr,
+    flen_ptr,
+    tlen_ptr,
+    alpha_ptr,
+    beta_ptr,
+    ll_ptr,
+    weight_ptr,
+    occ_ptr,
+    wb_ptr,
+    wl_ptr,
+    b0,
+    T,
+    U1,
+    BT: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    PACKED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+):
     """Transition posteriors of BT frames of utterance b0 + program_id(0), by rows, each in
     [0, 1] (times the utterance's weight, if WEIGHTED) and 0 outside the lattice: those of
     d(-log P)/d lp,
@@ -315,11 +348,34 @@ def _gate_pairs(fv, gv, bits, thr_row, ASM: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "U1", "seed", "b0", "row0"])
 def hidden_kernel(
-    f_ptr, g_ptr, flen_ptr, tlen_ptr, offs_ptr, soffs_ptr, h_ptr, gate_ptr, tgt_ptr, tgt_stride,
-    label_ptr, dest_ptr, b0, row0, T, U1, H, V, seed, drop_thr, BU: tl.constexpr,
-    HP: tl.constexpr, DROPOUT: tl.constexpr, PACKED: tl.constexpr, GATE_ASM: tl.constexpr,
-    LABELS: tl.constexpr, GATES: tl.constexpr,
-):  # fmt: skip
+    f_ptr,
+    g_ptr,
+    flen_ptr,
+    tlen_ptr,
+    offs_ptr,
+    soffs_ptr,
+    h_ptr,
+    gate_ptr,
+    tgt_ptr,
+    tgt_stride,
+    label_ptr,
+    dest_ptr,
+    b0,
+    row0,
+    T,
+    U1,
+    H,
+    V,
+    seed,
+    drop_thr,
+    BU: tl.constexpr,
+    HP: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PACKED: tl.constexpr,
+    GATE_ASM: tl.constexpr,
+    LABELS: tl.constexpr,
+    GATES: tl.constexpr,
+):
     """h rows of one frame: h[(b, t, u)] = keep * relu(f[b, t] + g[b, u]), without dropout's
     1 / (1 - p) (the row kernels and the gradients apply it in fp32); padded rows outside the
     lattice are 0, packed chunks have none (and their programs past T_b or U_b return at once:
@@ -356,8 +412,11 @@ def hidden_kernel(
             f_off = (b * T + t).to(tl.int64) * (H // 2) + j
             fv = tl.load(f_ptr.to(tl.pointer_type(tl.uint32)) + f_off, mask=j_ok, other=0)
             g_off = (b * U1 + u).to(tl.int64)[:, None] * (H // 2) + j[None, :]
-            gv = tl.load(g_ptr.to(tl.pointer_type(tl.uint32)) + g_off,
-                         mask=(u < U1)[:, None] & j_ok[None, :], other=0)  # fmt: skip
+            gv = tl.load(
+                g_ptr.to(tl.pointer_type(tl.uint32)) + g_off,
+                mask=(u < U1)[:, None] & j_ok[None, :],
+                other=0,
+            )
             if DROPOUT:
                 bits = _pair_bits(seed, b + 0 * u, t + 0 * u, u, U1, H, HP)
                 thr = (drop_thr * 0x10001).to(tl.uint32, bitcast=True)
@@ -367,8 +426,11 @@ def hidden_kernel(
             thr_row = tl.where(row_ok, thr, tl.full((), 0x80008000, tl.uint32))
             pairs = _gate_pairs(fv[None, :], gv, bits, thr_row, GATE_ASM)
             h_off = row[:, None] * (H // 2) + j[None, :]
-            tl.store(h_ptr.to(tl.pointer_type(tl.uint32)) + h_off, pairs,
-                     mask=rows_ok[:, None] & j_ok[None, :])  # fmt: skip
+            tl.store(
+                h_ptr.to(tl.pointer_type(tl.uint32)) + h_off,
+                pairs,
+                mask=rows_ok[:, None] & j_ok[None, :],
+            )
             if GATES:
                 # Bit 15 / 31 set where the low / high half is nonzero (-0 counts as closed, as
                 # in h > 0): the sum of 15-bit halves carries into bit 15 exactly then. Pair i
@@ -382,22 +444,29 @@ def hidden_kernel(
             k = tl.arange(0, HP)
             k_ok = k < H
             fv = tl.load(f_ptr + (b * T + t).to(tl.int64) * H + k, mask=k_ok, other=0.0)
-            gv = tl.load(g_ptr + (b * U1 + u).to(tl.int64)[:, None] * H + k[None, :],
-                         mask=(u < U1)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            gv = tl.load(
+                g_ptr + (b * U1 + u).to(tl.int64)[:, None] * H + k[None, :],
+                mask=(u < U1)[:, None] & k_ok[None, :],
+                other=0.0,
+            )
             h = tl.maximum(fv.to(tl.float32)[None, :] + gv.to(tl.float32), 0.0)
             if DROPOUT:
                 keep = _keep(seed, b + 0 * u, t + 0 * u, u, U1, H, drop_thr, HP)
                 h = tl.where(keep, h, 0.0)
             h = tl.where(row_ok[:, None], h, 0.0).to(h_ptr.dtype.element_ty)
-            tl.store(h_ptr + row[:, None] * H + k[None, :], h,
-                     mask=rows_ok[:, None] & k_ok[None, :])  # fmt: skip
+            tl.store(
+                h_ptr + row[:, None] * H + k[None, :], h, mask=rows_ok[:, None] & k_ok[None, :]
+            )
             if GATES:
                 open_ = tl.reshape((h != 0).to(tl.uint8), (BU, HP // 8, 8))
                 gates = tl.sum(open_ << tl.arange(0, 8).to(tl.uint8)[None, None, :], axis=2)
         if GATES:
             kb = tl.arange(0, HP // 8)
-            tl.store(gate_ptr + row[:, None] * (HP // 8) + kb[None, :], gates.to(tl.uint8),
-                     mask=rows_ok[:, None])  # fmt: skip
+            tl.store(
+                gate_ptr + row[:, None] * (HP // 8) + kb[None, :],
+                gates.to(tl.uint8),
+                mask=rows_ok[:, None],
+            )
         if LABELS:
             label = tl.load(tgt_ptr + b.to(tl.int64) * tgt_stride + u, mask=u < u_len, other=0)
             label = tl.minimum(tl.maximum(label, 0), V - 1).to(tl.int32)
@@ -409,9 +478,23 @@ def hidden_kernel(
 
 @triton.jit(do_not_specialize=["row0", "n_rows"])
 def logit_stats_kernel(
-    logits_ptr, bias_ptr, label_ptr, dest_ptr, lse_ptr, skb_ptr, skl_ptr, row0, n_rows, V,
-    blank, gate_scale, BR: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    bias_ptr,
+    label_ptr,
+    dest_ptr,
+    lse_ptr,
+    skb_ptr,
+    skl_ptr,
+    row0,
+    n_rows,
+    V,
+    blank,
+    gate_scale,
+    BR: tl.constexpr,
+    BN: tl.constexpr,
+    EVEN: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     """Per chunk row r: the log-sum-exp over the classes (at batch row row0 + r) and the
     log-probabilities of blank and of the target label (at the row's diagonal-major cell, the
     label's one lane on: `_diagonals`; a row with no label move writes one that no kernel
@@ -438,8 +521,11 @@ def logit_stats_kernel(
         if EVEN:
             s = tl.load(logits_ptr + r[:, None] * V + cols[None, :], mask=ok[:, None], other=0.0)
         else:
-            s = tl.load(logits_ptr + r[:, None] * V + cols[None, :],
-                        mask=ok[:, None] & c_ok[None, :], other=0.0)  # fmt: skip
+            s = tl.load(
+                logits_ptr + r[:, None] * V + cols[None, :],
+                mask=ok[:, None] & c_ok[None, :],
+                other=0.0,
+            )
         s_blank = tl.load(logits_ptr + r * V + blank, mask=ok, other=0.0).to(tl.float32)
         s_blank *= gate_scale
         s_label = tl.load(logits_ptr + r * V + label, mask=ok, other=0.0).to(tl.float32)
@@ -459,9 +545,23 @@ def logit_stats_kernel(
 
 @triton.jit(do_not_specialize=["row0", "n_rows"])
 def stats_from_partials_kernel(
-    part_ptr, logits_ptr, bias_ptr, label_ptr, dest_ptr, lse_ptr, skb_ptr, skl_ptr, row0, n_rows,
-    V, blank, gate_scale, NT: tl.constexpr, NTP: tl.constexpr, BR: tl.constexpr,
-):  # fmt: skip
+    part_ptr,
+    logits_ptr,
+    bias_ptr,
+    label_ptr,
+    dest_ptr,
+    lse_ptr,
+    skb_ptr,
+    skl_ptr,
+    row0,
+    n_rows,
+    V,
+    blank,
+    gate_scale,
+    NT: tl.constexpr,
+    NTP: tl.constexpr,
+    BR: tl.constexpr,
+):
     """`logit_stats_kernel`'s outputs from the sm90 logits GEMM's partials (rnnt.kernels.
     logits_gemm): per chunk row NT (max, sum exp2(x - max)) pairs over 128-class tiles of the
     base-2 logits x, merged into the log-sum-exp; the blank and target logits are two gathers
@@ -489,10 +589,25 @@ def stats_from_partials_kernel(
 
 @triton.jit(do_not_specialize=["row0", "n_rows"])
 def dlogits_kernel(
-    logits_ptr, dl_ptr, bias_ptr, label_ptr, lse_ptr, occ_ptr, wb_ptr, wl_ptr, dbias_ptr, row0,
-    n_rows, V, blank, gate_scale, BR: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
+    logits_ptr,
+    dl_ptr,
+    bias_ptr,
+    label_ptr,
+    lse_ptr,
+    occ_ptr,
+    wb_ptr,
+    wl_ptr,
+    dbias_ptr,
+    row0,
+    n_rows,
+    V,
+    blank,
+    gate_scale,
+    BR: tl.constexpr,
+    BN: tl.constexpr,
+    EVEN: tl.constexpr,
     STAGES: tl.constexpr,
-):  # fmt: skip
+):
     """d loss / d logits of chunk row r (batch row row0 + r) = occ softmax - [blank] w_blank -
     [label] w_label, from per-row occupancy and transition weights that already carry the
     utterance's output-gradient ratio and are 0 on rows outside the lattice (padded layout);
@@ -528,18 +643,36 @@ def dlogits_kernel(
         if not EVEN:
             d = tl.where(c_ok[None, :], d, 0.0)
         col_sum += d
-        tl.store(dl_ptr + r[:, None] * V + cols[None, :], d.to(dl_ptr.dtype.element_ty),
-                 mask=tile_ok)  # fmt: skip
+        tl.store(
+            dl_ptr + r[:, None] * V + cols[None, :], d.to(dl_ptr.dtype.element_ty), mask=tile_ok
+        )
     so_far = tl.load(dbias_ptr + pid * V + cols, mask=c_ok, other=0.0)
     tl.store(dbias_ptr + pid * V + cols, so_far + tl.sum(col_sum, axis=0), mask=c_ok)
 
 
 @triton.jit(do_not_specialize=["T", "U1", "b0", "row0", "BC", "t_per_split"])
 def grad_fg_kernel(
-    dh_ptr, gate_ptr, flen_ptr, tlen_ptr, offs_ptr, df_ptr, dg_part_ptr, b0, row0, BC, T, U1, H,
-    t_per_split, BU: tl.constexpr, BK: tl.constexpr, HP: tl.constexpr, ATOMIC_DF: tl.constexpr,
-    PACKED: tl.constexpr, STAGES: tl.constexpr,
-):  # fmt: skip
+    dh_ptr,
+    gate_ptr,
+    flen_ptr,
+    tlen_ptr,
+    offs_ptr,
+    df_ptr,
+    dg_part_ptr,
+    b0,
+    row0,
+    BC,
+    T,
+    U1,
+    H,
+    t_per_split,
+    BU: tl.constexpr,
+    BK: tl.constexpr,
+    HP: tl.constexpr,
+    ATOMIC_DF: tl.constexpr,
+    PACKED: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     """df[b, t] = sum_u dpre[b, t, u] and per frame-split partials of dg[b, u] = sum_t
     dpre[b, t, u], with dpre = dh * relu'.
 
@@ -566,8 +699,7 @@ def grad_fg_kernel(
     for t in tl.range(t_start, tl.minimum(t_start + t_per_split, t_len), num_stages=STAGES):
         row = _chunk_row(b, t, u, u_len, pid * T + t, offs_ptr, row0, T, U1, PACKED)
         dh = tl.load(dh_ptr + row[:, None] * H + k[None, :], mask=ok, other=0.0).to(tl.float32)
-        gates = tl.load(gate_ptr + row[:, None] * (HP // 8) + kb[None, :], mask=gates_ok,
-                        other=0)  # fmt: skip
+        gates = tl.load(gate_ptr + row[:, None] * (HP // 8) + kb[None, :], mask=gates_ok, other=0)
         gates = tl.reshape(tl.broadcast_to(gates[:, :, None], (BU, BK // 8, 8)), (BU, BK))
         dpre = tl.where(((gates >> (k % 8)[None, :]) & 1) != 0, dh, 0.0)
         dg += dpre
@@ -577,5 +709,6 @@ def grad_fg_kernel(
         else:
             tl.store(df_ptr + df_offs, tl.sum(dpre, axis=0), mask=k_ok)
     out = ((split * BC + pid) * U1 + u).to(tl.int64)
-    tl.store(dg_part_ptr + out[:, None] * H + k[None, :], dg,
-             mask=(u < U1)[:, None] & k_ok[None, :])  # fmt: skip
+    tl.store(
+        dg_part_ptr + out[:, None] * H + k[None, :], dg, mask=(u < U1)[:, None] & k_ok[None, :]
+    )

@@ -27,10 +27,23 @@ WARPS = 8
 
 @triton.jit
 def _lamb_update_kernel(
-    g_ptr, m_ptr, v_ptr, w_ptr, coef_ptr, keep_ptr, bc1_ptr, bc2_ptr, n, one_minus_b1,
-    one_minus_b2, eps, weight_decay, SKIPPABLE: tl.constexpr, DECAY: tl.constexpr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    w_ptr,
+    coef_ptr,
+    keep_ptr,
+    bc1_ptr,
+    bc2_ptr,
+    n,
+    one_minus_b1,
+    one_minus_b2,
+    eps,
+    weight_decay,
+    SKIPPABLE: tl.constexpr,
+    DECAY: tl.constexpr,
     BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     g = tl.load(g_ptr + offs, mask=ok, other=0.0) * tl.load(coef_ptr)
@@ -75,8 +88,22 @@ def lamb_update_(
             raise ValueError(f"lamb_update_: {name} must be a contiguous fp32 {tuple(grad.shape)}")
     n = grad.numel()
     _lamb_update_kernel[(triton.cdiv(n, BLOCK),)](
-        grad, exp_avg, exp_avg_sq, weight, coef, coef if keep is None else keep,
-        bias_correction1, bias_correction2, n, 1.0 - betas[0], 1.0 - betas[1], eps, weight_decay,
-        SKIPPABLE=keep is not None, DECAY=weight_decay != 0, BLOCK=BLOCK, num_warps=WARPS,
-    )  # fmt: skip
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        weight,
+        coef,
+        coef if keep is None else keep,
+        bias_correction1,
+        bias_correction2,
+        n,
+        1.0 - betas[0],
+        1.0 - betas[1],
+        eps,
+        weight_decay,
+        SKIPPABLE=keep is not None,
+        DECAY=weight_decay != 0,
+        BLOCK=BLOCK,
+        num_warps=WARPS,
+    )
     return grad

@@ -71,18 +71,42 @@ def available(device: torch.device) -> bool:
     return resolve(device)[0] == "cuda"
 
 
-def walk(skew_blank, skew_label, soffs, f_lens, target_lens, alpha, beta, log_lik, b0: int,
-         bc: int, t_max: int, u1: int, packed: bool) -> None:  # fmt: skip
+def walk(
+    skew_blank,
+    skew_label,
+    soffs,
+    f_lens,
+    target_lens,
+    alpha,
+    beta,
+    log_lik,
+    b0: int,
+    bc: int,
+    t_max: int,
+    u1: int,
+    packed: bool,
+) -> None:
     """alpha, beta (diagonal-major, fp64) and log P (B, fp64) of utterances [b0, b0 + bc),
     queued on the current stream: the arguments of joint_loss.lattice_kernel, on one CUDA
     device, with OVERREAD readable cells past the diagonal-major inputs."""
     device = alpha.device
     lib = library(torch.cuda.get_device_capability(device))
     rc = lib.lattice_walk_launch(
-        skew_blank.data_ptr(), skew_label.data_ptr(), soffs.data_ptr(),
-        f_lens.data_ptr(), target_lens.data_ptr(), alpha.data_ptr(), beta.data_ptr(),
-        log_lik.data_ptr(), b0, bc, t_max, u1, int(packed), device.index,
+        skew_blank.data_ptr(),
+        skew_label.data_ptr(),
+        soffs.data_ptr(),
+        f_lens.data_ptr(),
+        target_lens.data_ptr(),
+        alpha.data_ptr(),
+        beta.data_ptr(),
+        log_lik.data_ptr(),
+        b0,
+        bc,
+        t_max,
+        u1,
+        int(packed),
+        device.index,
         torch.cuda.current_stream(device).cuda_stream,
-    )  # fmt: skip
+    )
     if rc:
         raise RuntimeError(f"CUDA lattice walk: {lib.lattice_walk_error(rc).decode()}")

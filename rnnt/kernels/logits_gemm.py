@@ -113,10 +113,19 @@ def logits_with_partials(
     grid = _grid(device, n_tiles)
     lib = library()
     rc = lib.logits_lse_launch(
-        h.data_ptr(), weight.data_ptr(), logits.data_ptr(), partials.data_ptr(),
-        bias32.data_ptr(), scale2, n, vocab, hid, grid, device.index,
+        h.data_ptr(),
+        weight.data_ptr(),
+        logits.data_ptr(),
+        partials.data_ptr(),
+        bias32.data_ptr(),
+        scale2,
+        n,
+        vocab,
+        hid,
+        grid,
+        device.index,
         torch.cuda.current_stream(device).cuda_stream,
-    )  # fmt: skip
+    )
     if rc:
         raise RuntimeError(f"sm90 logits GEMM: {lib.logits_lse_error(rc).decode()}")
 

@@ -301,11 +301,25 @@ class CudaKernels:
         inputs = [x, *yseq[:-1]]  # x is not read where x_gates stands in for it
         xw = (ctypes.c_void_p * layers)(None if x_gates is None else x_gates.data_ptr())
         rc = self.lib.wave_lstm_forward(
-            device.index, layers, steps, batch, (ctypes.c_int * layers)(*kin), self._ptrs(inputs),
-            xw, self._ptrs(hseq), self._ptrs(yseq), self._ptrs(cstate), self._ptrs(factors),
-            self._ptrs(bias), self._ptrs(w), ctypes.c_float(p), self._ptr(seed), self._ptr(active),
-            self.forward_variant, ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
-        )  # fmt: skip
+            device.index,
+            layers,
+            steps,
+            batch,
+            (ctypes.c_int * layers)(*kin),
+            self._ptrs(inputs),
+            xw,
+            self._ptrs(hseq),
+            self._ptrs(yseq),
+            self._ptrs(cstate),
+            self._ptrs(factors),
+            self._ptrs(bias),
+            self._ptrs(w),
+            ctypes.c_float(p),
+            self._ptr(seed),
+            self._ptr(active),
+            self.forward_variant,
+            ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
+        )
         self._check(rc, "forward")
 
     def backward(self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed, active=None) -> None:
@@ -314,12 +328,23 @@ class CudaKernels:
         steps = dy_top.shape[0] // batch
         device = wt[0].device
         rc = self.lib.wave_lstm_backward(
-            device.index, layers, steps, batch, (ctypes.c_int * layers)(*kin), self._ptrs(wt),
-            self._ptrs(dz), self._ptrs(fac), self._ptrs(dc), self._ptrs(dbias),
+            device.index,
+            layers,
+            steps,
+            batch,
+            (ctypes.c_int * layers)(*kin),
+            self._ptrs(wt),
+            self._ptrs(dz),
+            self._ptrs(fac),
+            self._ptrs(dc),
+            self._ptrs(dbias),
             ctypes.c_void_p(dy_top.data_ptr()),
-            ctypes.c_float(p), self._ptr(seed), self._ptr(active), self.backward_variant,
+            ctypes.c_float(p),
+            self._ptr(seed),
+            self._ptr(active),
+            self.backward_variant,
             ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
-        )  # fmt: skip
+        )
         self._check(rc, "backward")
 
 
@@ -329,15 +354,25 @@ def library() -> ctypes.CDLL:
     if not getattr(lib, "_typed", False):
         ptrs = ctypes.POINTER(ctypes.c_void_p)
         lib.wave_lstm_forward.argtypes = (
-            [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)] + [ptrs] * 8
+            [ctypes.c_int] * 4
+            + [ctypes.POINTER(ctypes.c_int)]
+            + [ptrs] * 8
             + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        )  # fmt: skip
+        )
         lib.wave_lstm_forward.restype = ctypes.c_int
         lib.wave_lstm_backward.argtypes = (
-            [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)] + [ptrs] * 5
-            + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-               ctypes.c_void_p]
-        )  # fmt: skip
+            [ctypes.c_int] * 4
+            + [ctypes.POINTER(ctypes.c_int)]
+            + [ptrs] * 5
+            + [
+                ctypes.c_void_p,
+                ctypes.c_float,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_int,
+                ctypes.c_void_p,
+            ]
+        )
         lib.wave_lstm_backward.restype = ctypes.c_int
         lib.wave_lstm_error.argtypes = [ctypes.c_int]
         lib.wave_lstm_error.restype = ctypes.c_char_p
@@ -359,8 +394,11 @@ def launch_schedule(
     GPU of `n_sms` SMs, in launch order (csrc: wave_schedule)."""
     lib = library()
     cap = n_layers * steps
-    layer, t, count = ((ctypes.c_int * (3 * cap))(), (ctypes.c_int * (3 * cap))(),
-                       (ctypes.c_int * cap)())  # fmt: skip
+    layer, t, count = (
+        (ctypes.c_int * (3 * cap))(),
+        (ctypes.c_int * (3 * cap))(),
+        (ctypes.c_int * cap)(),
+    )
     n = lib.wave_lstm_schedule(int(backward), n_layers, steps, batch, n_sms, layer, t, count, cap)
     if n < 0:
         raise ValueError(f"no schedule for {n_layers} layers x {steps} steps")

@@ -86,7 +86,15 @@ def resample_cuda(
     out = torch.empty(batch, out_width, dtype=torch.float32, device=wave.device)
     grid = (batch, triton.cdiv(out_width, BLOCK))
     _resample_kernel[grid](
-        wave, lengths.contiguous(), out_lengths.contiguous(), ratio.contiguous(), out, width,
-        out_width, HALF=half, LOBES=lobes, BLOCK=BLOCK,
-    )  # fmt: skip
+        wave,
+        lengths.contiguous(),
+        out_lengths.contiguous(),
+        ratio.contiguous(),
+        out,
+        width,
+        out_width,
+        HALF=half,
+        LOBES=lobes,
+        BLOCK=BLOCK,
+    )
     return out

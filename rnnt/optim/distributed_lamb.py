@@ -342,9 +342,19 @@ class DistributedLamb:
         self._steps.add_(keep)
         t = self._steps.clamp(min=1.0)  # a skipped first step must keep 1 - b^t away from 0
         update = moments_and_update(
-            g, self.exp_avg, self.exp_avg_sq, self.master, coef, skip, keep, t, self.betas,
-            self.eps, self.weight_decay, self._fused_update,
-        )  # fmt: skip
+            g,
+            self.exp_avg,
+            self.exp_avg_sq,
+            self.master,
+            coef,
+            skip,
+            keep,
+            t,
+            self.betas,
+            self.eps,
+            self.weight_decay,
+            self._fused_update,
+        )
         u_sq = self._squared_norms(update)
         self._all_reduce(u_sq)
         w_norm, u_norm = stats[2:].sqrt(), u_sq[:n_params].sqrt()

@@ -306,9 +306,19 @@ class Lamb(torch.optim.Optimizer):
                 w = flat.gather(params, torch.empty_like(flat.exp_avg))
             # flat.grad receives the update u
             update = moments_and_update(
-                g, flat.exp_avg, flat.exp_avg_sq, w, coef, skip, keep, t, group["betas"],
-                group["eps"], group["weight_decay"], self._fused_update,
-            )  # fmt: skip
+                g,
+                flat.exp_avg,
+                flat.exp_avg_sq,
+                w,
+                coef,
+                skip,
+                keep,
+                t,
+                group["betas"],
+                group["eps"],
+                group["weight_decay"],
+                self._fused_update,
+            )
 
             w_norms = torch.stack(torch._foreach_norm(w.split(flat.sizes)))
             u_norms = torch.stack(torch._foreach_norm(update.split(flat.sizes)))

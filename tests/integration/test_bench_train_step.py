@@ -8,13 +8,29 @@ import sys
 def test_bench_times_the_trainers_step_on_cpu(repo_root, tmp_path):
     out = tmp_path / "bench.json"
     cmd = [
-        sys.executable, "bench/train_step.py", "--device", "cpu", "--config", "configs/tiny.yaml",
-        "--batch-sizes", "4", "--steps", "2", "--warmup", "1", "--json", str(out),
-        "--cache-dir", str(tmp_path / "cache"), "--checkpoint-cost",
+        sys.executable,
+        "bench/train_step.py",
+        "--device",
+        "cpu",
+        "--config",
+        "configs/tiny.yaml",
+        "--batch-sizes",
+        "4",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        str(out),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--checkpoint-cost",
         # short utterances keep the CPU run to seconds; the full vocabulary of the table
-        "--set", "data.max_duration=4",
-        "--set", "model.n_classes=1024",
-    ]  # fmt: skip
+        "--set",
+        "data.max_duration=4",
+        "--set",
+        "model.n_classes=1024",
+    ]
     proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "MFU against nothing: no peak for the CPU" in proc.stdout  # the Trainer's own line

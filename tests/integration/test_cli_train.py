@@ -114,11 +114,13 @@ def test_preflight_lists_every_bad_utterance_before_training(capsys, tiny_sets, 
     os.symlink("/etc/passwd", corpus["root"] / "passwd.flac")
     try:
         train_manifest = with_lines(
-            corpus, tmp_path, "train",
+            corpus,
+            tmp_path,
+            "train",
             {**first, "utt_id": "gone", "audio": "train/gone.flac"},
             {**first, "utt_id": "big", "tokens": [3, 999, 4]},
             {**first, "utt_id": "passwd", "audio": "passwd.flac"},
-        )  # fmt: skip
+        )
         dev = json.loads((corpus["root"] / "dev.jsonl").read_text().splitlines()[0])
         dev_manifest = with_lines(
             corpus, tmp_path, "dev", {**dev, "utt_id": "x", "audio": "x.flac"}
@@ -188,19 +190,23 @@ def test_skip_bad_trains_on_the_rest_and_counts(
     decoded is dropped from its batch when it comes, and counted."""
     first = json.loads((corpus["root"] / "train.jsonl").read_text().splitlines()[0])
     manifest = with_lines(
-        corpus, tmp_path, "train",
+        corpus,
+        tmp_path,
+        "train",
         {**first, "utt_id": "gone", "audio": "train/gone.flac"},
         {**first, "utt_id": "big", "tokens": [3, 999, 4]},
-    )  # fmt: skip
+    )
     lines = manifest.read_text().splitlines(True)
     lines[4] = json.dumps({**json.loads(lines[4]), "audio": garbage.name}) + "\n"
     manifest.write_text("".join(lines))
     dev = tmp_path / "dev.jsonl"  # two utterances: the evaluation is not what is tested
     dev.write_text("".join((corpus["root"] / "dev.jsonl").read_text().splitlines(True)[:2]))
     sets = tiny_sets(
-        tmp_path / "out", f"data.train_manifests=[{manifest}]", f"data.val_manifests=[{dev}]",
+        tmp_path / "out",
+        f"data.train_manifests=[{manifest}]",
+        f"data.val_manifests=[{dev}]",
         "data.skip_bad=true",
-    )  # fmt: skip
+    )
     status = main([str(TINY), *sets])
     captured = capsys.readouterr()
     assert status == 1  # trained, the target not reached

@@ -30,15 +30,26 @@ pytestmark = pytest.mark.slow  # about 2 minutes together on 2 cores
 def sets(corpus: dict, out: Path, batch: int, *extra: str) -> list[str]:
     root = corpus["root"]
     values = [
-        f"data.dataset_dir={root}", f"data.train_manifests=[{root / 'train.jsonl'}]",
-        f"data.val_manifests=[{root / 'dev.jsonl'}]", f"data.tokenizer={corpus['tokenizer']}",
-        "data.backend=torch", "data.num_threads=0", "data.num_buckets=1",
-        "model.n_classes=21", "model.enc_n_hid=32", "model.pred_n_hid=16",
-        "model.joint_n_hid=32", f"training.batch_size={batch}", "training.seed=11",
-        "training.log_frequency=1", "training.deterministic=true",
-        "training.collective_timeout_s=60", f"training.output_dir={out}", "eval.batch_size=6",
+        f"data.dataset_dir={root}",
+        f"data.train_manifests=[{root / 'train.jsonl'}]",
+        f"data.val_manifests=[{root / 'dev.jsonl'}]",
+        f"data.tokenizer={corpus['tokenizer']}",
+        "data.backend=torch",
+        "data.num_threads=0",
+        "data.num_buckets=1",
+        "model.n_classes=21",
+        "model.enc_n_hid=32",
+        "model.pred_n_hid=16",
+        "model.joint_n_hid=32",
+        f"training.batch_size={batch}",
+        "training.seed=11",
+        "training.log_frequency=1",
+        "training.deterministic=true",
+        "training.collective_timeout_s=60",
+        f"training.output_dir={out}",
+        "eval.batch_size=6",
         *extra,
-    ]  # fmt: skip
+    ]
     return [arg for value in values for arg in ("--set", value)]
 
 
@@ -90,9 +101,14 @@ def final_state(out: Path) -> tuple[dict, list]:
 def start(cmd: list[str]) -> subprocess.Popen:
     # a session of its own, so that the test can signal the launcher and its workers
     return subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env=ENV,
-    )  # fmt: skip
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=ENV,
+    )
 
 
 def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -126,11 +142,16 @@ def workers(launcher: subprocess.Popen) -> list[int]:
 EXACT = (
     # no randomness that depends on the rank or the batch's split: dropout, SpecAugment, speed
     # perturbation and dither off, fp32
-    "model.enc_dropout=0.0", "model.pred_dropout=0.0", "model.joint_dropout=0.0",
-    "features.spec_augment.freq_masks=0", "features.spec_augment.time_masks=0",
-    "features.speed_perturbation_min=1.0", "features.speed_perturbation_max=1.0",
-    "features.dither=0.0", "training.epochs=1",
-)  # fmt: skip
+    "model.enc_dropout=0.0",
+    "model.pred_dropout=0.0",
+    "model.joint_dropout=0.0",
+    "features.spec_augment.freq_masks=0",
+    "features.spec_augment.time_masks=0",
+    "features.speed_perturbation_min=1.0",
+    "features.speed_perturbation_max=1.0",
+    "features.dither=0.0",
+    "training.epochs=1",
+)
 
 
 @pytest.mark.parametrize("launch", [CPU2, CUDA2, CUDA4], indirect=True)
@@ -227,9 +248,12 @@ def test_torchrun_restarts_a_killed_job_which_resumes_and_finishes(corpus, tmp_p
     out = tmp_path / "run"
     extra = ("training.epochs=2", "training.checkpoint_every_steps=2")
     cmd = command(
-        2, "--resume", *sets(corpus, out, 4, *extra), device=launch[0],
+        2,
+        "--resume",
+        *sets(corpus, out, 4, *extra),
+        device=launch[0],
         torchrun=("--max-restarts", "1"),
-    )  # fmt: skip
+    )
     launcher = start(cmd)
     wait_for_step(out, 5, launcher)
     os.kill(workers(launcher)[1], signal.SIGKILL)
@@ -263,10 +287,20 @@ def test_run_and_time_passes_a_preemption_through_torchrun(corpus, tmp_path):
     shell: the shell hands the signal to train.py, which saves, and reports its status."""
     out = tmp_path / "run"
     launcher = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "--no-python", "bash", "scripts/run_and_time.sh", "configs/tiny.yaml", "--device", "cpu",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--no-python",
+        "bash",
+        "scripts/run_and_time.sh",
+        "configs/tiny.yaml",
+        "--device",
+        "cpu",
         *sets(corpus, out, 4, "training.epochs=50"),
-    ]  # fmt: skip
+    ]
     proc = start(launcher)
     wait_for_step(out, 2, proc)
     os.kill(proc.pid, signal.SIGTERM)

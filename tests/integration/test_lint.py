@@ -10,9 +10,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SHELL = sorted(
-    [*ROOT.glob("scripts/**/*.sh"), *ROOT.glob("docker/*.sh"), *ROOT.glob("bench/*.sh"),
-     ROOT / "scripts/slurm/run.sub", ROOT / ".ci/run"]
-)  # fmt: skip
+    [
+        *ROOT.glob("scripts/**/*.sh"),
+        *ROOT.glob("docker/*.sh"),
+        *ROOT.glob("bench/*.sh"),
+        ROOT / "scripts/slurm/run.sub",
+        ROOT / ".ci/run",
+    ]
+)
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="needs shellcheck")

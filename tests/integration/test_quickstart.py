@@ -21,8 +21,12 @@ def test_quickstart_trains_digits_to_target_with_a_compliant_log(repo_root, tmp_
     env = dict(os.environ, DATA=str(data), OUT=str(out), PYTHONUNBUFFERED="1")
     proc = subprocess.run(
         ["bash", "scripts/quickstart.sh"],
-        cwd=repo_root, env=env, capture_output=True, text=True, timeout=1500,
-    )  # fmt: skip
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     sys.stdout.write(log[-3000:])  # shown with -s / on failure: the run's numbers
@@ -33,8 +37,11 @@ def test_quickstart_trains_digits_to_target_with_a_compliant_log(repo_root, tmp_
 
     # the compliance checker's own verdict, run by the quickstart on the run's MLPerf log
     assert re.search(r"SUCCESS", log), log[-2000:]
-    lines = [json.loads(line.split(":::MLLOG", 1)[1]) for line in
-             (out / "mlperf.log").read_text().splitlines() if ":::MLLOG" in line]  # fmt: skip
+    lines = [
+        json.loads(line.split(":::MLLOG", 1)[1])
+        for line in (out / "mlperf.log").read_text().splitlines()
+        if ":::MLLOG" in line
+    ]
     accuracy = [r["value"] for r in lines if r["key"] == "eval_accuracy"]
     assert accuracy[-1] == pytest.approx(evals[-1]["wer"])
     assert [r["metadata"]["status"] for r in lines if r["key"] == "run_stop"] == ["success"]

@@ -46,11 +46,17 @@ def slurm(tmp_path_factory) -> dict:
     key.chmod(0o600)
     sock = munge / "socket"
     subprocess.run(
-        [_tool("munged"), "--force", f"--key-file={key}", f"--socket={sock}",
-         f"--pid-file={munge / 'pid'}", f"--log-file={munge / 'log'}",
-         f"--seed-file={munge / 'seed'}"],
+        [
+            _tool("munged"),
+            "--force",
+            f"--key-file={key}",
+            f"--socket={sock}",
+            f"--pid-file={munge / 'pid'}",
+            f"--log-file={munge / 'log'}",
+            f"--seed-file={munge / 'seed'}",
+        ],
         check=True,
-    )  # fmt: skip
+    )
     host = socket.gethostname().split(".")[0]
     for sub in ("state", "spool", "log"):
         (root / sub).mkdir()
@@ -127,18 +133,34 @@ def _slurmd_errors(root: Path) -> str:
 def _submit(slurm: dict, corpus: dict, out: Path, *extra: str) -> str:
     root = corpus["root"]
     sets = [
-        f"data.dataset_dir={root}", f"data.train_manifests=[{root / 'train.jsonl'}]",
-        f"data.val_manifests=[{root / 'dev.jsonl'}]", f"data.tokenizer={corpus['tokenizer']}",
-        "data.backend=torch", "model.n_classes=21", "model.enc_n_hid=32", "model.pred_n_hid=16",
-        "model.joint_n_hid=32", "training.batch_size=4", "training.seed=5",
-        "training.log_frequency=1", "training.collective_timeout_s=60", "eval.batch_size=6",
+        f"data.dataset_dir={root}",
+        f"data.train_manifests=[{root / 'train.jsonl'}]",
+        f"data.val_manifests=[{root / 'dev.jsonl'}]",
+        f"data.tokenizer={corpus['tokenizer']}",
+        "data.backend=torch",
+        "model.n_classes=21",
+        "model.enc_n_hid=32",
+        "model.pred_n_hid=16",
+        "model.joint_n_hid=32",
+        "training.batch_size=4",
+        "training.seed=5",
+        "training.log_frequency=1",
+        "training.collective_timeout_s=60",
+        "eval.batch_size=6",
         *extra,
-    ]  # fmt: skip
+    ]
     cmd = [
-        "sbatch", "--parsable", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
-        f"--output={out}.log", "scripts/slurm/run.sub", "configs/systems/cpu_tiny.yaml",
-        "--device", "cpu",
-    ]  # fmt: skip
+        "sbatch",
+        "--parsable",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        "--time=10",
+        f"--output={out}.log",
+        "scripts/slurm/run.sub",
+        "configs/systems/cpu_tiny.yaml",
+        "--device",
+        "cpu",
+    ]
     for value in sets:
         cmd += ["--set", value]
     env = {**slurm["env"], "OUTPUT_DIR": str(out)}
@@ -228,14 +250,20 @@ def test_no_argument_is_ever_evaluated(tmp_path):
     planted = tmp_path / "pwned"
     evil = f"$(touch {planted})"
     env = {
-        **os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "",
-        "CONTAINER_IMAGE": f"img{evil}", "DATASETS": f"/data/{evil}",
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "",
+        "CONTAINER_IMAGE": f"img{evil}",
+        "DATASETS": f"/data/{evil}",
         "OUTPUT_DIR": str(tmp_path / "out"),
-    }  # fmt: skip
+    }
     proc = subprocess.run(
         ["bash", "scripts/slurm/run.sub", f"configs/{evil}.yaml", "--set", f"a.b={evil}"],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     args = record.read_text().splitlines()
     assert f"--container-image=img{evil}" in args
@@ -243,7 +271,10 @@ def test_no_argument_is_ever_evaluated(tmp_path):
     assert f"configs/{evil}.yaml" in args and f"a.b={evil}" in args
     proc = subprocess.run(
         ["bash", "scripts/run_and_time.sh", f"configs/{evil}.yaml"],
-        cwd=ROOT, env={**env, "SEED": f"1{evil}"}, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env={**env, "SEED": f"1{evil}"},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "SEED must be a non-negative integer" in proc.stderr
     assert not planted.exists()

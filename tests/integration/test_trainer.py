@@ -67,18 +67,29 @@ def _short_lengths_tables(lengths_dir: Path, out: Path) -> list[str]:
     (out / "train.tsv").write_text("\n".join(short) + "\n")
     (out / "dev.tsv").write_text("\n".join(short[:12]) + "\n")
     return [
-        "data.tokenizer=", "model.n_classes=41", "data.synthetic_steps_per_epoch=6",
+        "data.tokenizer=",
+        "model.n_classes=41",
+        "data.synthetic_steps_per_epoch=6",
         f"data.synthetic_train_lengths={out / 'train.tsv'}",
         f"data.synthetic_val_lengths={out / 'dev.tsv'}",
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize(
     "encoder_lstm,backend",
-    [("cudnn", "torch"), ("wave", "torch"), ("cudnn", "synthetic"),
-     pytest.param("cudnn", "dali", marks=pytest.mark.skipif(
-         importlib.util.find_spec("nvidia.dali") is None, reason="needs DALI"))],
-)  # fmt: skip
+    [
+        ("cudnn", "torch"),
+        ("wave", "torch"),
+        ("cudnn", "synthetic"),
+        pytest.param(
+            "cudnn",
+            "dali",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("nvidia.dali") is None, reason="needs DALI"
+            ),
+        ),
+    ],
+)
 def test_resume_mid_epoch_continues_exactly(
     corpus, lengths_dir, tmp_path, capsys, encoder_lstm, backend
 ):
@@ -104,8 +115,12 @@ def test_resume_mid_epoch_continues_exactly(
     ]
     # named after the epochs they close: every 4 steps, after epoch 1, and the final state
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == [
-        "ckpt_e0_s4", "ckpt_e1_s12", "ckpt_e1_s6", "ckpt_e1_s8", "ckpt_e2_s12"
-    ]  # fmt: skip
+        "ckpt_e0_s4",
+        "ckpt_e1_s12",
+        "ckpt_e1_s6",
+        "ckpt_e1_s8",
+        "ckpt_e2_s12",
+    ]
     final = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     final_ema = [w.clone() for w in trainer.ema.weights]
 
@@ -227,16 +242,35 @@ def test_two_processes_under_torchrun_share_one_log_and_one_eval(corpus, tmp_pat
     out = tmp_path / "ddp"
     root = corpus["root"]
     sets = [
-        f"data.dataset_dir={root}", f"data.train_manifests=[{root / 'train.jsonl'}]",
-        f"data.val_manifests=[{root / 'dev.jsonl'}]", f"data.tokenizer={corpus['tokenizer']}",
-        "data.backend=torch", "data.num_threads=0", "data.num_buckets=1", "model.n_classes=21",
+        f"data.dataset_dir={root}",
+        f"data.train_manifests=[{root / 'train.jsonl'}]",
+        f"data.val_manifests=[{root / 'dev.jsonl'}]",
+        f"data.tokenizer={corpus['tokenizer']}",
+        "data.backend=torch",
+        "data.num_threads=0",
+        "data.num_buckets=1",
+        "model.n_classes=21",
         "model.enc_n_hid=32",
-        "model.pred_n_hid=16", "model.joint_n_hid=32", "training.batch_size=4",
-        "training.epochs=1", "training.log_frequency=1", f"training.output_dir={out}",
+        "model.pred_n_hid=16",
+        "model.joint_n_hid=32",
+        "training.batch_size=4",
+        "training.epochs=1",
+        "training.log_frequency=1",
+        f"training.output_dir={out}",
         "eval.batch_size=4",
-    ]  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "train.py", "configs/tiny.yaml", "--device", "cpu"]  # fmt: skip
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "train.py",
+        "configs/tiny.yaml",
+        "--device",
+        "cpu",
+    ]
     for s in sets:
         cmd += ["--set", s]
     proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
@@ -266,14 +300,19 @@ def test_training_step_never_syncs_with_the_host(tmp_path, lengths_dir, loss_bac
     cfg = load_config(
         Path(__file__).parents[2] / "configs/tiny.yaml",
         [
-            "data.backend=synthetic", "data.tokenizer=",
-            "model.n_classes=1024", "data.max_duration=4.0", "training.batch_size=8",
-            "training.precision=fp16", f"training.output_dir={tmp_path}",
-            f"loss.backend={loss_backend}", f"training.num_cg={num_cg}",
+            "data.backend=synthetic",
+            "data.tokenizer=",
+            "model.n_classes=1024",
+            "data.max_duration=4.0",
+            "training.batch_size=8",
+            "training.precision=fp16",
+            f"training.output_dir={tmp_path}",
+            f"loss.backend={loss_backend}",
+            f"training.num_cg={num_cg}",
             f"data.synthetic_train_lengths={lengths_dir / 'librispeech_train-clean-5_lengths.tsv'}",
             f"data.synthetic_val_lengths={lengths_dir / 'librispeech_dev-clean_lengths.tsv'}",
         ],
-    )  # fmt: skip
+    )
     trainer = Trainer(cfg, init_distributed("cuda"))
     batches = iter(trainer.train_loader)
     trainer.train_step(next(batches), lr=0.004)  # warm-up: allocations, cuDNN plans
@@ -298,12 +337,15 @@ def test_logged_throughput_matches_the_wall_clock(tmp_path):
     cfg = load_config(
         Path(__file__).parents[2] / "configs/baseline_v3-1023sp.yaml",
         [
-            "data.backend=synthetic", "data.tokenizer=", f"training.batch_size={batch}",
+            "data.backend=synthetic",
+            "data.tokenizer=",
+            f"training.batch_size={batch}",
             "optimizer.allow_gbs_mismatch=true",
-            "data.synthetic_steps_per_epoch=8", "training.log_frequency=1",
+            "data.synthetic_steps_per_epoch=8",
+            "training.log_frequency=1",
             f"training.output_dir={tmp_path}",
         ],
-    )  # fmt: skip
+    )
     trainer = Trainer(cfg, init_distributed("cuda"))
     trainer.train_epoch()
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]

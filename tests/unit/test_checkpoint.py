@@ -181,8 +181,9 @@ def test_pickled_objects_are_rejected(tmp_path):
 
 def test_two_ranks_commit_only_when_both_have_written(tmp_path):
     ranks = [CheckpointManager(tmp_path, rank=r, world_size=2) for r in range(2)]
-    path = ranks[0].save({"model": {"m": torch.ones(2)}, "rank0": {"s": torch.zeros(3)}}, 1, 6,
-                         background=True)  # fmt: skip
+    path = ranks[0].save(
+        {"model": {"m": torch.ones(2)}, "rank0": {"s": torch.zeros(3)}}, 1, 6, background=True
+    )
     ranks[0]._writer.join(timeout=0.5)
     assert ranks[0]._writer.is_alive() and not (path / COMPLETE).exists()  # waits for rank 1
     ranks[1].save({"rank1": {"s": torch.ones(3)}}, 1, 6)
@@ -237,8 +238,13 @@ def test_cuda_rng_restore():
 def test_a_background_save_holds_the_state_of_the_call(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=5)
     weights = torch.zeros(1000, 100)
-    path = mgr.save({"model": {"w": weights, "nested": [weights[0]]}, "rank0": {}}, 1, 1,
-                    meta={"wer": 0.5}, background=True)  # fmt: skip
+    path = mgr.save(
+        {"model": {"w": weights, "nested": [weights[0]]}, "rank0": {}},
+        1,
+        1,
+        meta={"wer": 0.5},
+        background=True,
+    )
     weights.fill_(7.0)  # training goes on while the file is written
     mgr.wait()
     states, checkpoint = mgr.load_latest(both)
@@ -267,8 +273,7 @@ def test_a_background_save_of_gpu_tensors_holds_the_state_of_the_call(tmp_path):
     mgr = CheckpointManager(tmp_path)
     weights = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
     expected = weights.cpu()
-    mgr.save({"model": {"w": weights, "half": weights.half()}, "rank0": {}}, 1, 1,
-             background=True)  # fmt: skip
+    mgr.save({"model": {"w": weights, "half": weights.half()}, "rank0": {}}, 1, 1, background=True)
     weights.mul_(-1.0)  # queued right after the call returns
     mgr.wait()
     states, _ = mgr.load_latest(both)

@@ -11,8 +11,14 @@ import pytest
 from rnnt.cli import eval as eval_cli
 from rnnt.cli import train as train_cli
 
-PROGRAMS = ["train", "eval", "build_manifest", "validate_dataset", "train_tokenizer",
-            "make_synthetic_corpus"]  # fmt: skip
+PROGRAMS = [
+    "train",
+    "eval",
+    "build_manifest",
+    "validate_dataset",
+    "train_tokenizer",
+    "make_synthetic_corpus",
+]
 
 
 @pytest.mark.parametrize("program", [train_cli, eval_cli])

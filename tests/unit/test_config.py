@@ -148,25 +148,41 @@ def test_a_base_is_read_relative_to_its_file_and_cannot_loop(tmp_path):
 @pytest.mark.parametrize(
     "build, message",
     [
-        (lambda: DataConfig(device="cpu", resampling_device="gpu"),
-         "data.resampling_device: gpu needs data.device: gpu"),
-        (lambda: FeaturesConfig(spec_augment=SpecAugmentConfig(max_freq=90)),
-         "features.spec_augment.max_freq: a mask cannot be wider than the 80 mel bins, got 90"),
-        (lambda: FeaturesConfig(pad_features_to=200),
-         "features.pad_features_to: must hold frame_stack x n_mels = 240 features, got 200"),
-        (lambda: SpecAugmentConfig(min_freq=5, max_freq=2),
-         "features.spec_augment.max_freq: must be >= min_freq 5, got 2"),
-        (lambda: ModelConfig(encoder_lstm="wave", enc_n_hid=100),
-         "model.enc_n_hid: the wave LSTM (model.encoder_lstm: wave) needs a multiple of 32"),
-        (lambda: ModelConfig(joint_dropout=1.0),
-         "model.joint_dropout: a probability needs 0 <= p < 1, got 1.0"),
+        (
+            lambda: DataConfig(device="cpu", resampling_device="gpu"),
+            "data.resampling_device: gpu needs data.device: gpu",
+        ),
+        (
+            lambda: FeaturesConfig(spec_augment=SpecAugmentConfig(max_freq=90)),
+            "features.spec_augment.max_freq: a mask cannot be wider than the 80 mel bins, got 90",
+        ),
+        (
+            lambda: FeaturesConfig(pad_features_to=200),
+            "features.pad_features_to: must hold frame_stack x n_mels = 240 features, got 200",
+        ),
+        (
+            lambda: SpecAugmentConfig(min_freq=5, max_freq=2),
+            "features.spec_augment.max_freq: must be >= min_freq 5, got 2",
+        ),
+        (
+            lambda: ModelConfig(encoder_lstm="wave", enc_n_hid=100),
+            "model.enc_n_hid: the wave LSTM (model.encoder_lstm: wave) needs a multiple of 32",
+        ),
+        (
+            lambda: ModelConfig(joint_dropout=1.0),
+            "model.joint_dropout: a probability needs 0 <= p < 1, got 1.0",
+        ),
         (lambda: ModelConfig(n_classes=1), "model.n_classes: must be >= 2, got 1"),
-        (lambda: LossConfig(backend="reference", fused_gemm="sm90"),
-         "loss.fused_gemm: 'sm90' applies to loss.backend fused only"),
-        (lambda: Config(model=ModelConfig(in_feats=240)),
-         "model.in_feats: must equal features.pad_features_to 256, got 240"),
+        (
+            lambda: LossConfig(backend="reference", fused_gemm="sm90"),
+            "loss.fused_gemm: 'sm90' applies to loss.backend fused only",
+        ),
+        (
+            lambda: Config(model=ModelConfig(in_feats=240)),
+            "model.in_feats: must equal features.pad_features_to 256, got 240",
+        ),
     ],
-)  # fmt: skip
+)
 def test_rules_between_keys_hold_wherever_a_config_is_built(build, message):
     with pytest.raises(ConfigError) as err:
         build()

@@ -22,8 +22,14 @@ def test_first_host_of_a_slurm_node_list(nodelist, host):
 
 
 def test_torchrun_variables_win_over_slurms(monkeypatch):
-    for key, value in dict(RANK="3", WORLD_SIZE="8", LOCAL_RANK="3", SLURM_PROCID="0",
-                           SLURM_NTASKS="2", SLURM_LOCALID="0").items():  # fmt: skip
+    for key, value in dict(
+        RANK="3",
+        WORLD_SIZE="8",
+        LOCAL_RANK="3",
+        SLURM_PROCID="0",
+        SLURM_NTASKS="2",
+        SLURM_LOCALID="0",
+    ).items():
         monkeypatch.setenv(key, value)
     assert _launcher_env() == (3, 8, 3)
 
@@ -32,9 +38,12 @@ def test_srun_tasks_rendezvous_at_the_first_node(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     srun = dict(
-        SLURM_PROCID="5", SLURM_NTASKS="16", SLURM_LOCALID="5",
-        SLURM_STEP_NODELIST="gpu[12-13]", SLURM_JOB_ID="4242",
-    )  # fmt: skip
+        SLURM_PROCID="5",
+        SLURM_NTASKS="16",
+        SLURM_LOCALID="5",
+        SLURM_STEP_NODELIST="gpu[12-13]",
+        SLURM_JOB_ID="4242",
+    )
     for key, value in srun.items():
         monkeypatch.setenv(key, value)
     assert _launcher_env() == (5, 16, 5)

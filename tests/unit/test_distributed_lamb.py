@@ -164,9 +164,11 @@ def test_ranks_give_what_one_process_gives_with_the_mean_gradient(tmp_path, back
         pytest.skip(f"needs {world} CUDA devices")
     out = str(tmp_path / "result")
     mp.start_processes(
-        _worker, args=(world, backend, str(tmp_path / "init"), out), nprocs=world,
+        _worker,
+        args=(world, backend, str(tmp_path / "init"), out),
+        nprocs=world,
         start_method="spawn",
-    )  # fmt: skip
+    )
     ref_params = make_params()
     ref = distributed(ref_params, CPU, fused=False)
     for step in (0, 1, 3):  # step 2 overflowed on one rank: skipped everywhere

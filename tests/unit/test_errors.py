@@ -18,9 +18,18 @@ from rnnt.run_dir import OutputDirError
 
 @pytest.mark.parametrize(
     "error",
-    [ConfigError, ManifestError, TokenizerError, DatasetError, AudioFileError, CheckpointError,
-     CorpusError, DeviceError, OutputDirError],
-)  # fmt: skip
+    [
+        ConfigError,
+        ManifestError,
+        TokenizerError,
+        DatasetError,
+        AudioFileError,
+        CheckpointError,
+        CorpusError,
+        DeviceError,
+        OutputDirError,
+    ],
+)
 def test_every_user_error_prints_one_line_and_exits_2(capsys, error):
     @reports_user_errors
     def main(argv):

@@ -9,9 +9,15 @@ from rnnt.flops import peak_flops, step_flops
 from rnnt.model import RNNT
 
 CFG = ModelConfig(
-    n_classes=12, in_feats=16, enc_n_hid=24, enc_pre_rnn_layers=2, enc_post_rnn_layers=2,
-    pred_n_hid=8, pred_rnn_layers=2, joint_n_hid=20,
-)  # fmt: skip
+    n_classes=12,
+    in_feats=16,
+    enc_n_hid=24,
+    enc_pre_rnn_layers=2,
+    enc_post_rnn_layers=2,
+    pred_n_hid=8,
+    pred_rnn_layers=2,
+    joint_n_hid=20,
+)
 
 
 def counted_flops(model: RNNT, frames: int, tokens: int, batch: int) -> int:

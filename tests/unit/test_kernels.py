@@ -155,11 +155,24 @@ def test_lattice_posteriors_count_every_path_s_blanks_and_labels(packed):
     host = ([t for t, _ in lens], [u for _, u in lens]) if packed else None
     unused = torch.zeros(bsz, 5, 1, device=DEVICE)  # the joint's operands play no part here
     targets = torch.zeros(bsz, 4, dtype=torch.long, device=DEVICE)
-    prob = jl._Problem(unused, unused, unused[0, :2], unused[0, :2, 0], f_lens, targets,
-                       target_lens, host, 1, 0.0, 0, "cublas")  # fmt: skip
+    prob = jl._Problem(
+        unused,
+        unused,
+        unused[0, :2],
+        unused[0, :2, 0],
+        f_lens,
+        targets,
+        target_lens,
+        host,
+        1,
+        0.0,
+        0,
+        "cublas",
+    )
     lattice = jl._Lattice(prob)
-    diagonal_major(lattice.skew_blank, lattice.skew_label, lp[..., 1], lp[..., 0], lens,
-                   prob.layout)  # fmt: skip
+    diagonal_major(
+        lattice.skew_blank, lattice.skew_label, lp[..., 1], lp[..., 0], lens, prob.layout
+    )
     # two calls, as the one-pass schedule makes one per chunk of utterances
     for b0, bc in ((0, 2), (2, bsz - 2)):
         lattice.solve(b0, bc)
@@ -371,14 +384,42 @@ def test_stats_from_gemm_partials_equal_the_stats_kernel_s(vocab):
         skb, skl = torch.full((2, 2 * (n + row0) + 2), 9.0, device=DEVICE)
         if name == "partials":
             jk.stats_from_partials_kernel[(triton.cdiv(n, 16),)](
-                part, logits, bias, labels, dest, lse, skb, skl, row0, n, vocab, blank,
-                gate_scale, NT=vocab // 128, NTP=triton.next_power_of_2(vocab // 128), BR=16,
-            )  # fmt: skip
+                part,
+                logits,
+                bias,
+                labels,
+                dest,
+                lse,
+                skb,
+                skl,
+                row0,
+                n,
+                vocab,
+                blank,
+                gate_scale,
+                NT=vocab // 128,
+                NTP=triton.next_power_of_2(vocab // 128),
+                BR=16,
+            )
         else:
             jk.logit_stats_kernel[(2,)](
-                logits, bias, labels, dest, lse, skb, skl, row0, n, vocab, blank, gate_scale,
-                BR=4, BN=triton.next_power_of_2(vocab), EVEN=vocab == 1024, STAGES=1,
-            )  # fmt: skip
+                logits,
+                bias,
+                labels,
+                dest,
+                lse,
+                skb,
+                skl,
+                row0,
+                n,
+                vocab,
+                blank,
+                gate_scale,
+                BR=4,
+                BN=triton.next_power_of_2(vocab),
+                EVEN=vocab == 1024,
+                STAGES=1,
+            )
         assert (lse[:row0] == 9.0).all(), "rows before the chunk untouched"
         mine = dest[row0:].long()
         assert (skb[dest[:row0].long()] == 9.0).all() and (skb[mine + 1] == 9.0).all()

@@ -63,8 +63,15 @@ def walk_both(lens, packed, b0, bc, seed=0):
         if cuda:
             lattice_walk.walk(*args, bc, t_max, u1, packed)
         else:
-            jk.lattice_kernel[(bc, 2)](*args, t_max, u1, BLOCK_U=block_u, PACKED=packed,
-                                        HW_LOG2=True, num_warps=jl.LATTICE_WARPS)  # fmt: skip
+            jk.lattice_kernel[(bc, 2)](
+                *args,
+                t_max,
+                u1,
+                BLOCK_U=block_u,
+                PACKED=packed,
+                HW_LOG2=True,
+                num_warps=jl.LATTICE_WARPS,
+            )
         out.append((alpha, beta, log_lik))
     return out
 
@@ -102,8 +109,9 @@ def test_gpu_fused_loss_is_the_same_with_either_walk(monkeypatch):
     host = (f_lens.tolist(), target_lens.tolist())
 
     def run():
-        loss = jl.fused_joint_loss(*leaves, f_lens, targets, target_lens, 95, 0.2, seed=7,
-                                   host_lens=host, reduction="mean")  # fmt: skip
+        loss = jl.fused_joint_loss(
+            *leaves, f_lens, targets, target_lens, 95, 0.2, seed=7, host_lens=host, reduction="mean"
+        )
         return loss, torch.autograd.grad(loss, leaves)
 
     assert jl._Problem(*leaves, f_lens, targets, target_lens, host, 95, 0.2, 7, "auto").cuda_walk

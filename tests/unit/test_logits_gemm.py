@@ -52,8 +52,13 @@ def test_the_kernel_source_builds_and_rejects_shapes_it_cannot_tile(tmp_path, mo
         lib = logits_gemm.library()
         # shared memory: W's block + the A stages + the store staging, within Hopper's 227 KB
         assert 200 * 1024 < lib.logits_lse_smem_bytes() <= 227 * 1024
-        for m, n, k, grid in ((10, 1000, 512, 8), (10, 1024, 640, 8), (10, 1024, 96, 8),
-                              (0, 1024, 512, 8), (10, 1024, 512, 12)):  # fmt: skip
+        for m, n, k, grid in (
+            (10, 1000, 512, 8),
+            (10, 1024, 640, 8),
+            (10, 1024, 96, 8),
+            (0, 1024, 512, 8),
+            (10, 1024, 512, 12),
+        ):
             rc = lib.logits_lse_launch(None, None, None, None, None, 1.0, m, n, k, grid, 0, None)
             assert rc != 0
             assert "unsupported shape" in lib.logits_lse_error(rc).decode()
@@ -126,8 +131,18 @@ def fused_loss(leaves, f_lens, targets, target_lens, gemm, host, p, reduction):
     from rnnt.kernels.joint_loss import fused_joint_loss
 
     leaves = [x.detach().requires_grad_(True) for x in leaves]
-    loss = fused_joint_loss(*leaves, f_lens, targets, target_lens, leaves[2].shape[0] - 1, p,
-                            seed=7, host_lens=host, reduction=reduction, gemm=gemm)  # fmt: skip
+    loss = fused_joint_loss(
+        *leaves,
+        f_lens,
+        targets,
+        target_lens,
+        leaves[2].shape[0] - 1,
+        p,
+        seed=7,
+        host_lens=host,
+        reduction=reduction,
+        gemm=gemm,
+    )
     grads = torch.autograd.grad(loss.sum(), leaves)
     return loss.detach(), grads
 

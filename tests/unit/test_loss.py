@@ -120,14 +120,20 @@ def test_single_frame_and_empty_target_closed_forms():
 def test_shape_errors_are_clear():
     with pytest.raises(ValueError, match="targets must be"):
         rnnt_loss_reference(
-            torch.zeros(1, 2, 3, 4), torch.zeros(1, 3, dtype=torch.long),
-            torch.tensor([2]), torch.tensor([2]), 3,
-        )  # fmt: skip
+            torch.zeros(1, 2, 3, 4),
+            torch.zeros(1, 3, dtype=torch.long),
+            torch.tensor([2]),
+            torch.tensor([2]),
+            3,
+        )
     with pytest.raises(ValueError, match="blank index"):
         rnnt_loss_reference(
-            torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, dtype=torch.long),
-            torch.tensor([2]), torch.tensor([2]), 4,
-        )  # fmt: skip
+            torch.zeros(1, 2, 3, 4),
+            torch.zeros(1, 2, dtype=torch.long),
+            torch.tensor([2]),
+            torch.tensor([2]),
+            4,
+        )
 
 
 def _joint_inputs(b=3, t=4, u=3, hid=8, vocab=6, seed=0):
@@ -210,9 +216,10 @@ def test_missing_optional_backend_names_the_config_key():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
-    "backend, host", [("torchaudio", False), ("apex", False), ("apex", True)],
+    "backend, host",
+    [("torchaudio", False), ("apex", False), ("apex", True)],
     ids=["torchaudio", "apex", "apex-host-lengths"],
-)  # fmt: skip
+)
 def test_optional_backend_matches_reference(backend, host, dtype):
     pytest.importorskip("torchaudio" if backend == "torchaudio" else "apex.contrib.transducer")
     gen = torch.Generator().manual_seed(5)

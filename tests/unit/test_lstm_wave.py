@@ -358,9 +358,13 @@ def test_the_kernel_source_builds_and_rejects_shapes_it_cannot_tile(tmp_path, mo
             )
 
         # shapes it cannot tile are refused before anything touches a GPU
-        for args in ((2, 10, 100, (256, 1024, 0)), (4, 10, 192, (256, 1024, 1024)),
-                     (2, 0, 192, (256, 1024, 0)), (2, 10, 192, (240, 1024, 0)),
-                     (2, 10, 192, (0, 1024, 0))):  # fmt: skip
+        for args in (
+            (2, 10, 100, (256, 1024, 0)),
+            (4, 10, 192, (256, 1024, 1024)),
+            (2, 0, 192, (256, 1024, 0)),
+            (2, 10, 192, (240, 1024, 0)),
+            (2, 10, 192, (0, 1024, 0)),
+        ):
             rc = forward(*args)
             assert "unsupported shape" in lib.wave_lstm_error(rc).decode()
         assert (
@@ -397,9 +401,16 @@ def test_the_launch_schedule_keeps_every_dependency_and_fills_the_gpu_once(backw
             return 32 * batch // 96  # 128-row W tiles x 96-row batch tiles
         return 16 * batch // 96 * (1 if layer == n_layers - 1 else 2)  # partners below the top
 
-    for n_layers, steps, batch, sms in ((3, 245, 192, 132), (2, 490, 192, 132), (3, 7, 192, 132),
-                                        (1, 5, 192, 132), (3, 9, 384, 132), (3, 6, 192, 10_000),
-                                        (2, 6, 192, 1), (3, 1, 192, 132)):  # fmt: skip
+    for n_layers, steps, batch, sms in (
+        (3, 245, 192, 132),
+        (2, 490, 192, 132),
+        (3, 7, 192, 132),
+        (1, 5, 192, 132),
+        (3, 9, 384, 132),
+        (3, 6, 192, 10_000),
+        (2, 6, 192, 1),
+        (3, 1, 192, 132),
+    ):
         launches = lstm_wave.launch_schedule(backward, n_layers, steps, batch, sms)
         done = {}
         for index, cells in enumerate(launches):

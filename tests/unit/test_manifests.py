@@ -210,8 +210,9 @@ def test_cli_tokenizing_a_manifest_excludes_out_of_vocabulary_lines(tmp_path, re
     assert captured.err.startswith(f"{raw}:3: utterance 1034-121119-0001: transcript maps to")
     assert "2 utterances kept, 1 excluded by validation" in captured.out
     assert [u.utt_id for u in read_manifest(out, tmp_path / "LS")] == [
-        "103-1240-0000", "103-1240-0002"
-    ]  # fmt: skip
+        "103-1240-0000",
+        "103-1240-0002",
+    ]
     assert cli.main([*args, "--strict"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {raw}: 1 out-of-vocabulary transcripts (strict mode):\n")

@@ -43,10 +43,23 @@ def write_run(path, eval_samples=2703, cfg=None, wers=(0.31, 0.12, 0.055), rank=
 def check(path):
     """The MLPerf compliance checker's verdict (it also writes its own log, kept beside)."""
     out = subprocess.run(
-        [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
-         "--ruleset", "3.1.0", "--log_output", str(path) + ".checker", str(path)],
-        capture_output=True, text=True, timeout=120, cwd=path.parent,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mlperf_logging.compliance_checker",
+            "--usage",
+            "training",
+            "--ruleset",
+            "3.1.0",
+            "--log_output",
+            str(path) + ".checker",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=path.parent,
+    )
     return out.returncode, out.stdout + out.stderr
 
 

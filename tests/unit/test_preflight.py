@@ -29,8 +29,12 @@ def write(path: Path, records: list) -> Path:
 
 
 def line(utt_id: str, tokens: list[int] | None = (3, 4), text: str = "a bed", duration=1.5):
-    record = {"utt_id": utt_id, "audio": f"train/{utt_id}.wav", "duration": duration,
-              "transcript": text}  # fmt: skip
+    record = {
+        "utt_id": utt_id,
+        "audio": f"train/{utt_id}.wav",
+        "duration": duration,
+        "transcript": text,
+    }
     if tokens is not None:
         record["tokens"] = list(tokens)
     return record

@@ -10,10 +10,16 @@ from rnnt.throughput import WindowStats
 
 def window(utts_per_s=1520.44, mfu=0.2125, peak_memory_gib=61.25):
     return WindowStats(
-        steps=10, utterances=1920, seconds=1920 / utts_per_s, data_wait_seconds=0.0125,
-        utts_per_s=utts_per_s, step_ms=126.25, data_wait_share=0.0099,
-        peak_memory_gib=peak_memory_gib, mfu=mfu,
-    )  # fmt: skip
+        steps=10,
+        utterances=1920,
+        seconds=1920 / utts_per_s,
+        data_wait_seconds=0.0125,
+        utts_per_s=utts_per_s,
+        step_ms=126.25,
+        data_wait_share=0.0099,
+        peak_memory_gib=peak_memory_gib,
+        mfu=mfu,
+    )
 
 
 def strict_json(line):
@@ -26,10 +32,24 @@ def strict_json(line):
 def test_step_and_eval_lines_and_records(tmp_path, capsys):
     with RunLog(tmp_path, is_main=True) as log:
         log.info("starting")
-        log.step(step=10, epoch=1, loss=52.25, lr=0.0031, loss_scale=512.0, skipped_steps=2,
-                 window=window())  # fmt: skip
-        log.step(step=12, epoch=1, loss=50.0, lr=0.0031, loss_scale=512.0, skipped_steps=2,
-                 window=window(mfu=None, peak_memory_gib=None))  # fmt: skip
+        log.step(
+            step=10,
+            epoch=1,
+            loss=52.25,
+            lr=0.0031,
+            loss_scale=512.0,
+            skipped_steps=2,
+            window=window(),
+        )
+        log.step(
+            step=12,
+            epoch=1,
+            loss=50.0,
+            lr=0.0031,
+            loss_scale=512.0,
+            skipped_steps=2,
+            window=window(mfu=None, peak_memory_gib=None),
+        )
         log.eval(epoch=1, step=10, wer=0.2843, utterances=2703, seconds=1.93)
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("] starting")
@@ -45,20 +65,45 @@ def test_step_and_eval_lines_and_records(tmp_path, capsys):
     lines = (tmp_path / METRICS_FILE).read_text().splitlines()
     train, cpu_train, ev = (strict_json(line) for line in lines)
     assert train.pop("time") > 0 and ev.pop("time") > 0
-    assert train == {"kind": "train", "step": 10, "epoch": 1, "loss": 52.25, "lr": 0.0031,
-                     "utts_per_s": 1520.44, "step_ms": 126.25, "window_steps": 10,
-                     "data_wait_share": 0.0099, "peak_memory_gib": 61.25, "mfu": 0.2125,
-                     "loss_scale": 512.0, "skipped_steps": 2}  # fmt: skip
+    assert train == {
+        "kind": "train",
+        "step": 10,
+        "epoch": 1,
+        "loss": 52.25,
+        "lr": 0.0031,
+        "utts_per_s": 1520.44,
+        "step_ms": 126.25,
+        "window_steps": 10,
+        "data_wait_share": 0.0099,
+        "peak_memory_gib": 61.25,
+        "mfu": 0.2125,
+        "loss_scale": 512.0,
+        "skipped_steps": 2,
+    }
     assert "mfu" not in cpu_train and "peak_memory_gib" not in cpu_train
-    assert ev == {"kind": "eval", "epoch": 1, "step": 10, "wer": 0.2843, "utterances": 2703,
-                  "seconds": 1.93}  # fmt: skip
+    assert ev == {
+        "kind": "eval",
+        "epoch": 1,
+        "step": 10,
+        "wer": 0.2843,
+        "utterances": 2703,
+        "seconds": 1.93,
+    }
 
 
 def test_the_run_record_and_the_dropped_utterances(tmp_path, capsys):
     with RunLog(tmp_path, is_main=True) as log:
         log.run("3f9c0a1b22d4", 1234567, world_size=8, resumed=False)
-        log.step(step=3, epoch=1, loss=9.5, lr=1e-3, loss_scale=1.0, skipped_steps=0,
-                 window=window(mfu=None, peak_memory_gib=None), dropped_utterances=2)  # fmt: skip
+        log.step(
+            step=3,
+            epoch=1,
+            loss=9.5,
+            lr=1e-3,
+            loss_scale=1.0,
+            skipped_steps=0,
+            window=window(mfu=None, peak_memory_gib=None),
+            dropped_utterances=2,
+        )
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith(
         "] run 3f9c0a1b22d4 (fresh): seed 1234567, 8 rank(s) derive theirs from it"
@@ -66,15 +111,27 @@ def test_the_run_record_and_the_dropped_utterances(tmp_path, capsys):
     assert out[1].endswith("| loss scale 1 | skipped steps 0 | dropped utterances 2")
     run, train = read_metrics(tmp_path / METRICS_FILE)
     assert run.pop("time") > 0
-    assert run == {"kind": "run", "run_id": "3f9c0a1b22d4", "seed": 1234567, "world_size": 8,
-                   "resumed": False}  # fmt: skip
+    assert run == {
+        "kind": "run",
+        "run_id": "3f9c0a1b22d4",
+        "seed": 1234567,
+        "world_size": 8,
+        "resumed": False,
+    }
     assert train["dropped_utterances"] == 2
 
 
 def test_non_finite_values_stay_valid_json(tmp_path):
     with RunLog(tmp_path) as log:
-        log.step(step=1, epoch=1, loss=float("nan"), lr=1e-3, loss_scale=256.0,
-                 skipped_steps=1, window=window(utts_per_s=float("inf")))  # fmt: skip
+        log.step(
+            step=1,
+            epoch=1,
+            loss=float("nan"),
+            lr=1e-3,
+            loss_scale=256.0,
+            skipped_steps=1,
+            window=window(utts_per_s=float("inf")),
+        )
     record = strict_json((tmp_path / METRICS_FILE).read_text())
     assert record["loss"] == "nan" and record["utts_per_s"] == "inf"
 
@@ -116,18 +173,34 @@ def test_read_metrics_names_bad_line(tmp_path):
 def test_plot_script_writes_png(tmp_path, repo_root):
     with RunLog(tmp_path) as log:
         for step in range(1, 41):
-            log.step(step=step, epoch=1 + step // 10, loss=100.0 / step, lr=1e-3 * min(step, 10),
-                     loss_scale=512.0, skipped_steps=0, window=window())  # fmt: skip
+            log.step(
+                step=step,
+                epoch=1 + step // 10,
+                loss=100.0 / step,
+                lr=1e-3 * min(step, 10),
+                loss_scale=512.0,
+                skipped_steps=0,
+                window=window(),
+            )
             if step % 10 == 0:
                 log.eval(epoch=step // 10, step=step, wer=0.5 / step, utterances=2703, seconds=1)
-        log.step(step=41, epoch=5, loss=float("nan"), lr=1e-3, loss_scale=256.0,
-                 skipped_steps=1, window=window())  # fmt: skip
+        log.step(
+            step=41,
+            epoch=5,
+            loss=float("nan"),
+            lr=1e-3,
+            loss_scale=256.0,
+            skipped_steps=1,
+            window=window(),
+        )
     out = tmp_path / "curves.png"
     script = repo_root / "scripts" / "plot_metrics.py"
     result = subprocess.run(
         [sys.executable, str(script), str(tmp_path / METRICS_FILE), "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -136,8 +209,9 @@ def test_plot_script_writes_png(tmp_path, repo_root):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
-    result = subprocess.run([sys.executable, str(script), str(bad)], capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(script), str(bad)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2 and "bad.jsonl:1" in result.stderr
 
 
@@ -148,18 +222,37 @@ def test_plot_script_compares_runs_epoch_by_epoch(tmp_path, repo_root):
         with RunLog(tmp_path / name) as log:
             for step in range(1, 7):
                 epoch = 1 + (step - 1) // 3
-                log.step(step=step, epoch=epoch, loss=scale * step, lr=1e-3, loss_scale=512.0,
-                         skipped_steps=0, window=window())  # fmt: skip
+                log.step(
+                    step=step,
+                    epoch=epoch,
+                    loss=scale * step,
+                    lr=1e-3,
+                    loss_scale=512.0,
+                    skipped_steps=0,
+                    window=window(),
+                )
                 if step % 3 == 0:
-                    log.eval(epoch=epoch, step=step, wer=scale * 0.1 / epoch, utterances=10,
-                             seconds=1)  # fmt: skip
+                    log.eval(
+                        epoch=epoch, step=step, wer=scale * 0.1 / epoch, utterances=10, seconds=1
+                    )
     script = repo_root / "scripts" / "plot_metrics.py"
     result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "fast" / METRICS_FILE),
-         str(tmp_path / "plain" / METRICS_FILE), "--labels", "fast", "plain", "--table",
-         "--out", str(tmp_path / "both.png")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(script),
+            str(tmp_path / "fast" / METRICS_FILE),
+            str(tmp_path / "plain" / METRICS_FILE),
+            "--labels",
+            "fast",
+            "plain",
+            "--table",
+            "--out",
+            str(tmp_path / "both.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "| epoch | fast loss | fast WER % | plain loss | plain WER % |" in lines

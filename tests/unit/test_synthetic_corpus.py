@@ -285,11 +285,20 @@ def test_librispeech_durations_give_utterances_as_long_as_librispeech():
 
 
 def test_the_options_enter_the_stamp_only_when_used(tmp_path):
-    plain = sc.build_corpus(tmp_path / "a", "digits", train=2, dev=1, seed=2, workers=1,
-                            progress=False)  # fmt: skip
+    plain = sc.build_corpus(
+        tmp_path / "a", "digits", train=2, dev=1, seed=2, workers=1, progress=False
+    )
     stamp = json.loads((Path(plain.root) / sc.STAMP_NAME).read_text())["parameters"]
     assert set(stamp) == {"kind", "seed", "sizes", "format", "espeak_ng"}  # as before them
-    held = sc.build_corpus(tmp_path / "b", "digits", train=2, dev=1, seed=2, workers=1,
-                           progress=False, held_out_speakers=3)  # fmt: skip
+    held = sc.build_corpus(
+        tmp_path / "b",
+        "digits",
+        train=2,
+        dev=1,
+        seed=2,
+        workers=1,
+        progress=False,
+        held_out_speakers=3,
+    )
     stamp = json.loads((Path(held.root) / sc.STAMP_NAME).read_text())["parameters"]
     assert stamp["held_out_speakers"] == 3 and "durations" not in stamp
