@@ -16,6 +16,8 @@
 #   bash bench/gpu_session.sh scaling     # weak scaling of the Trainer's step on 1, 2, 4, ... GPUs
 #                                         # at 192 and 24 per GPU, exposed communication
 #   bash bench/gpu_session.sh fullrun     # train.py under torchrun on 2 and 4 GPUs, with eval
+#   bash bench/gpu_session.sh dgx         # the MLPerf configuration on every GPU here, 3 epochs:
+#                                         # its projected time to train and compliance verdict
 #
 # Real audio (the convergence check of docs/CONVERGENCE.md), on one warm machine, in order:
 #   bash bench/gpu_session.sh corpus      # espeak-ng from .carry/debs; the sentences corpus
@@ -28,7 +30,7 @@
 # keeps its part in /tmp/dali_parts, and the call that has them all installs DALI.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
-phase=${1:?phase: tests | loss | step | lstm | decode | train | truth | multi | scaling | fullrun | corpus | pipeline | realstep | converge | wait | evalparity}
+phase=${1:?phase: tests | loss | step | lstm | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | realstep | converge | wait | evalparity}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
 # the spoken-digits corpus the distributed tests train on (this machine has no espeak-ng):
@@ -133,6 +135,20 @@ case "$phase" in
       cp "/tmp/rnnt_full$n/metrics.jsonl" "$OUT/fullrun_metrics_$n.jsonl"
       ls -R "/tmp/rnnt_full$n/checkpoints" > "$OUT/fullrun_checkpoints_$n.txt"
     done ;;
+  dgx)
+    # the MLPerf configuration at 192 per GPU on this machine's GPUs: STEPS synthetic steps per
+    # epoch at real lengths, the dev-clean shapes evaluated after each of 3 epochs; then the
+    # projected time to train (bench/project_ttt.py) and the compliance checker on its log
+    run=/tmp/rnnt_dgx$gpus
+    torchrun --standalone --nproc_per_node "$gpus" train.py configs/baseline_v3-1023sp.yaml \
+      --num_cg 4 --overwrite --set data.backend=synthetic --set data.tokenizer= \
+      --set optimizer.allow_gbs_mismatch=true --set data.synthetic_steps_per_epoch="${STEPS:-200}" \
+      --set training.epochs=3 --set training.target_wer=0 --set training.save_every_epochs=0 \
+      --set training.output_dir="$run" 2>&1 | tee "$OUT/dgx_$gpus.log" | grep -Ev "Warning|warn"
+    python3 bench/project_ttt.py "$run" --json "$OUT/dgx_projection_$gpus.json" \
+      | tee "$OUT/dgx_projection_$gpus.txt"
+    python3 -m mlperf_logging.compliance_checker --usage training --ruleset 3.1.0 \
+      "$run/mlperf.log" 2>&1 | tail -5 | tee "$OUT/dgx_compliance_$gpus.txt" ;;
   corpus)
     ldd "$(command -v espeak-ng)" | grep -i "not found"
     start=$(date +%s)
