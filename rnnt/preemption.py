@@ -5,17 +5,38 @@ SIGTERM (what a cluster sends before it kills a job, and what torchrun forwards)
 a signal can arrive in the middle of a CUDA call or a collective, where nothing may be saved.
 The trainer asks `requested_anywhere` at its log points, which already synchronize with the host:
 all ranks agree there, save one consistent checkpoint and leave with EXIT_PREEMPTED, which a
-launcher reads as "requeue me and pass --resume".
+launcher reads as "requeue me and pass --resume"; rank 0 also leaves PREEMPTED_MARKER in
+output_dir, which says the same where the exit status gets lost.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 from rnnt.distributed import DistContext, any_rank
 
 # sysexits.h's EX_TEMPFAIL: a temporary failure, the user is invited to retry
 EXIT_PREEMPTED = 75
+# In output_dir, written by rank 0 once every rank has saved: the launcher's sign to requeue.
+# An exit status alone does not carry it through srun: under --kill-on-bad-exit the first
+# rank to leave with 75 gets the others killed while they leave too, and srun reports their
+# SIGTERM (143) instead.
+PREEMPTED_MARKER = "PREEMPTED"
+
+
+def mark_preempted(out_dir: Path, checkpoint: str) -> None:
+    """Leave the marker, naming the checkpoint to resume from (written whole or not at all)."""
+    tmp = out_dir / f".{PREEMPTED_MARKER}.tmp"
+    tmp.write_text(checkpoint + "\n")
+    os.replace(tmp, out_dir / PREEMPTED_MARKER)
+
+
+def clear_preempted(out_dir: Path) -> None:
+    """A starting run removes an earlier run's marker: a launcher that finds one after a crash
+    would requeue it forever."""
+    (out_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
 
 
 class Preempted(Exception):

@@ -71,7 +71,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from rnnt.distributed import init_distributed, shutdown
     from rnnt.mlperf import MLPerfLogger
-    from rnnt.preemption import EXIT_PREEMPTED, Preempted, PreemptionFlag
+    from rnnt.preemption import (
+        EXIT_PREEMPTED,
+        Preempted,
+        PreemptionFlag,
+        clear_preempted,
+        mark_preempted,
+    )
     from rnnt.run_dir import prepare_output_dir
     from rnnt.run_log import METRICS_FILE
     from rnnt.trainer import NonFiniteLossError, Trainer
@@ -84,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         preemption = PreemptionFlag().install()
         log_path = args.mlperf_log or str(out / "mlperf.log")
         if ctx.is_main:
+            clear_preempted(out)
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
             if not args.resume:  # a fresh run starts its logs afresh
                 Path(log_path).unlink(missing_ok=True)  # one run per MLPerf log
@@ -103,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 3
     except Preempted as err:
+        if ctx.is_main:
+            mark_preempted(out, str(err))
         print(f"preempted: state saved in {err}; rerun with --resume", file=sys.stderr)
         return EXIT_PREEMPTED
     finally:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from rnnt.checkpoint import CheckpointManager
-from rnnt.preemption import EXIT_PREEMPTED
+from rnnt.preemption import EXIT_PREEMPTED, PREEMPTED_MARKER
 from rnnt.run_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,9 +206,13 @@ def test_a_preempted_run_saves_at_a_step_boundary_and_resumes_exactly(corpus, tm
     model, _ = final_state(interrupted)
     stopped = model["progress"]["step"]
     assert 3 <= stopped < 18 and max(train_losses(interrupted)) == stopped
+    # the launcher's sign to requeue, naming the checkpoint, whatever the exit statuses say
+    marker = (interrupted / PREEMPTED_MARKER).read_text().strip()
+    assert marker.startswith(str(interrupted / "checkpoints" / "ckpt_")) and marker in output
 
     proc = run(command(2, "--resume", *sets(corpus, interrupted, 4, *extra), device=device))
     assert "target NOT reached" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not (interrupted / PREEMPTED_MARKER).exists()  # a later crash is not a preemption
     after = train_losses(interrupted)
     assert sorted(after) == list(range(1, 19))
     for step in range(stopped + 1, 19):
