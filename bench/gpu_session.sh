@@ -26,8 +26,8 @@
 #   bash bench/gpu_session.sh converge    # both runs of configs/convergence/, in the background
 #   bash bench/gpu_session.sh wait        # until they end (or this call's time); their metrics
 #   bash bench/gpu_session.sh evalparity  # eval.py in every decoder mode; compliance checker
-# DALI travels as parts of its wheel, one per call (.carry/dali/*, split -b 50M); each call
-# keeps its part in /tmp/dali_parts, and the call that has them all installs DALI.
+# DALI travels in parts, one per call (.carry/dali, made by bench/dali_parts.sh); each call
+# keeps its part in /tmp/dali_parts, and the call that has them all unpacks DALI.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
 phase=${1:?phase: tests | loss | step | lstm | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | realstep | converge | wait | evalparity}
@@ -49,10 +49,10 @@ if [ -d .carry/dali ]; then
   mkdir -p /tmp/dali_parts && cp -n .carry/dali/* /tmp/dali_parts/ 2>/dev/null
 fi
 if [ -f /tmp/dali_parts/SHA256SUMS ] && [ ! -d /tmp/dali_site ]; then
-  wheel=$(cut -d' ' -f3 /tmp/dali_parts/SHA256SUMS)
-  if cat /tmp/dali_parts/"$wheel".part* > "/tmp/$wheel" 2>/dev/null \
+  archive=$(awk '{print $2}' /tmp/dali_parts/SHA256SUMS)
+  if cat /tmp/dali_parts/"$archive".part* > "/tmp/$archive" 2>/dev/null \
       && (cd /tmp && sha256sum --quiet -c /tmp/dali_parts/SHA256SUMS); then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dali_site "/tmp/$wheel"
+    mkdir -p /tmp/dali_site && tar -xJf "/tmp/$archive" -C /tmp/dali_site
   else
     echo "DALI: $(find /tmp/dali_parts -name '*.part*' | wc -l) parts here, not all yet"
   fi
