@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import as_set_args, tiny_overrides
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # Two CPU cores in CI: one intra-op thread per test process keeps timings predictable.
@@ -79,28 +81,8 @@ def tiny_sets(corpus):
     """tiny_sets(out, *extra): `--set` arguments that point configs/tiny.yaml at the digits
     corpus with a model small enough for a CPU test (one epoch of 6 steps at batch 8), writing
     into `out`; `extra` overrides come last."""
-    root = corpus["root"]
 
     def sets(out: Path, *extra: str) -> list[str]:
-        values = [
-            f"data.dataset_dir={root}",
-            f"data.train_manifests=[{root / 'train.jsonl'}]",
-            f"data.val_manifests=[{root / 'dev.jsonl'}]",
-            f"data.tokenizer={corpus['tokenizer']}",
-            "data.backend=torch",
-            "data.num_threads=0",
-            "data.num_buckets=1",
-            "model.n_classes=21",
-            "model.enc_n_hid=32",
-            "model.pred_n_hid=16",
-            "model.joint_n_hid=32",
-            "training.batch_size=8",
-            "training.epochs=1",
-            "training.log_frequency=1",
-            f"training.output_dir={out}",
-            "eval.batch_size=6",
-            *extra,
-        ]
-        return [arg for value in values for arg in ("--set", value)]
+        return as_set_args(tiny_overrides(corpus, out, *extra))
 
     return sets

@@ -2,9 +2,42 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from rnnt.config import ModelConfig
+
+
+def tiny_overrides(corpus: dict, out: Path, *extra: str) -> list[str]:
+    """Overrides that point configs/tiny.yaml at the digits corpus (tests/conftest.py) with a
+    model small enough for a CPU test: one epoch of 6 steps at batch 8, logged at every step,
+    written into `out`. `extra` come last, so they win."""
+    root = corpus["root"]
+    return [
+        f"data.dataset_dir={root}",
+        f"data.train_manifests=[{root / 'train.jsonl'}]",
+        f"data.val_manifests=[{root / 'dev.jsonl'}]",
+        f"data.tokenizer={corpus['tokenizer']}",
+        "data.backend=torch",
+        "data.num_threads=0",
+        "data.num_buckets=1",
+        "model.n_classes=21",
+        "model.enc_n_hid=32",
+        "model.pred_n_hid=16",
+        "model.joint_n_hid=32",
+        "training.batch_size=8",
+        "training.epochs=1",
+        "training.log_frequency=1",
+        f"training.output_dir={out}",
+        "eval.batch_size=6",
+        *extra,
+    ]
+
+
+def as_set_args(overrides: list[str]) -> list[str]:
+    """`--set` arguments of a command line, one per override."""
+    return [arg for value in overrides for arg in ("--set", value)]
 
 
 def tiny_cfg(**kw) -> ModelConfig:

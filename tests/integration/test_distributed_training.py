@@ -22,35 +22,24 @@ import torch
 from rnnt.checkpoint import CheckpointManager
 from rnnt.preemption import EXIT_PREEMPTED, PREEMPTED_MARKER
 from rnnt.run_log import read_metrics
+from tests.helpers import as_set_args, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # about 2 minutes together on 2 cores
 
 
 def sets(corpus: dict, out: Path, batch: int, *extra: str) -> list[str]:
-    root = corpus["root"]
-    values = [
-        f"data.dataset_dir={root}",
-        f"data.train_manifests=[{root / 'train.jsonl'}]",
-        f"data.val_manifests=[{root / 'dev.jsonl'}]",
-        f"data.tokenizer={corpus['tokenizer']}",
-        "data.backend=torch",
-        "data.num_threads=0",
-        "data.num_buckets=1",
-        "model.n_classes=21",
-        "model.enc_n_hid=32",
-        "model.pred_n_hid=16",
-        "model.joint_n_hid=32",
-        f"training.batch_size={batch}",
-        "training.seed=11",
-        "training.log_frequency=1",
-        "training.deterministic=true",
-        "training.collective_timeout_s=60",
-        f"training.output_dir={out}",
-        "eval.batch_size=6",
-        *extra,
-    ]
-    return [arg for value in values for arg in ("--set", value)]
+    return as_set_args(
+        tiny_overrides(
+            corpus,
+            out,
+            f"training.batch_size={batch}",
+            "training.seed=11",
+            "training.deterministic=true",
+            "training.collective_timeout_s=60",
+            *extra,
+        )
+    )
 
 
 CPU2 = ("cpu", 2)

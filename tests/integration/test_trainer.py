@@ -17,38 +17,26 @@ from rnnt.config import load_config
 from rnnt.distributed import DistContext
 from rnnt.run_log import read_metrics
 from rnnt.trainer import NonFiniteLossError, Trainer
+from tests.helpers import tiny_overrides
 
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 def make_cfg(corpus: dict, out: Path, *extra: str):
-    root = corpus["root"]
     return load_config(
         Path(__file__).parents[2] / "configs/tiny.yaml",
-        [
-            f"data.dataset_dir={root}",
-            f"data.train_manifests=[{root / 'train.jsonl'}]",
-            f"data.val_manifests=[{root / 'dev.jsonl'}]",
-            f"data.tokenizer={corpus['tokenizer']}",
-            "data.backend=torch",
-            "data.num_threads=0",
+        tiny_overrides(
+            corpus,
+            out,
             "data.num_buckets=2",
-            "model.n_classes=21",
-            "model.enc_n_hid=32",
-            "model.pred_n_hid=16",
-            "model.joint_n_hid=32",
             "model.enc_dropout=0.1",
             "model.joint_dropout=0.1",
-            "training.batch_size=8",
             "training.epochs=2",
-            "training.log_frequency=1",
             "training.checkpoint_every_steps=4",
             "training.keep_last_checkpoints=100",
             "training.deterministic=true",
-            f"training.output_dir={out}",
-            "eval.batch_size=6",
             *extra,
-        ],
+        ),
     )
 
 
@@ -240,25 +228,7 @@ def test_two_processes_under_torchrun_share_one_log_and_one_eval(corpus, tmp_pat
     import sys
 
     out = tmp_path / "ddp"
-    root = corpus["root"]
-    sets = [
-        f"data.dataset_dir={root}",
-        f"data.train_manifests=[{root / 'train.jsonl'}]",
-        f"data.val_manifests=[{root / 'dev.jsonl'}]",
-        f"data.tokenizer={corpus['tokenizer']}",
-        "data.backend=torch",
-        "data.num_threads=0",
-        "data.num_buckets=1",
-        "model.n_classes=21",
-        "model.enc_n_hid=32",
-        "model.pred_n_hid=16",
-        "model.joint_n_hid=32",
-        "training.batch_size=4",
-        "training.epochs=1",
-        "training.log_frequency=1",
-        f"training.output_dir={out}",
-        "eval.batch_size=4",
-    ]
+    sets = tiny_overrides(corpus, out, "training.batch_size=4", "eval.batch_size=4")
     cmd = [
         sys.executable,
         "-m",
