@@ -4,20 +4,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from rnnt.config import ModelConfig
 from rnnt.flops import peak_flops, step_flops
 from rnnt.model import RNNT
+from tests.helpers import tiny_cfg
 
-CFG = ModelConfig(
-    n_classes=12,
-    in_feats=16,
-    enc_n_hid=24,
-    enc_pre_rnn_layers=2,
-    enc_post_rnn_layers=2,
-    pred_n_hid=8,
-    pred_rnn_layers=2,
-    joint_n_hid=20,
-)
+CFG = tiny_cfg()
 
 
 def counted_flops(model: RNNT, frames: int, tokens: int, batch: int) -> int:
