@@ -1,0 +1,42 @@
+"""bench/data_pipeline.py times the real loaders on a real manifest (a CPU smoke run on the
+digits corpus)."""
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_times_the_torch_loader_on_a_manifest(repo_root, corpus, tmp_path):
+    root = corpus["root"]
+    out = tmp_path / "pipeline.json"
+    cmd = [
+        sys.executable,
+        "bench/data_pipeline.py",
+        "--manifest",
+        str(root / "train.jsonl"),
+        "--dataset-dir",
+        str(root),
+        "--backends",
+        "torch",
+        "--device",
+        "cpu",
+        "--threads",
+        "0",
+        "2",
+        "--batch-size",
+        "2",
+        "--warmup",
+        "1",
+        "--batches",
+        "3",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["batch_size"] == 2 and 1.0 < report["mean_seconds"] < 5.0
+    assert [(r["backend"], r["threads"]) for r in report["results"]] == [("torch", 0), ("torch", 2)]
+    for row in report["results"]:
+        assert row["utterances_per_s"] > 0 and row["cores"] > 0 and row["batches"] == 3
+        assert row["gpu_ms_per_batch"] is None  # the feature stage ran in the CPU workers
