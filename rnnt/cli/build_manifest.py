@@ -56,12 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         utts, report = tokenize([u for _, u in entries], tokenizer, [w for w, _ in entries])
         if args.strict and report.problems:
             raise report.strict_error(args.from_manifest, "out-of-vocabulary transcripts")
-        for problem in report.problems:
-            print(problem, file=sys.stderr)
         write_manifest(args.output, utts, args.dataset_dir)
         print(f"{args.output}: {len(utts)} utterances with token ids ({args.tokenizer})")
-        print(report.summary())
-        return 0
+        return _report(report, args)
     utts, report = build_manifest(
         args.dataset_dir,
         args.splits,
@@ -73,12 +70,17 @@ def main(argv: list[str] | None = None) -> int:
         full_decode=args.full_decode,
         progress=not args.no_progress,
     )
+    write_manifest(args.output, utts)
+    print(f"{args.output}: {', '.join(args.splits)}")
+    return _report(report, args)
+
+
+def _report(report, args: argparse.Namespace) -> int:
+    """Every problem on stderr, the summary on stdout, the full list in the report file."""
     for problem in report.problems:
         print(problem, file=sys.stderr)
-    write_manifest(args.output, utts)
     report_path = args.report or f"{args.output}.report.txt"
     report.write(report_path)
-    print(f"{args.output}: {', '.join(args.splits)}")
     print(report.summary())
     print(f"full list of exclusions and drops: {report_path}")
     return 0

@@ -213,6 +213,11 @@ def test_cli_tokenizing_a_manifest_excludes_out_of_vocabulary_lines(tmp_path, re
         "103-1240-0000",
         "103-1240-0002",
     ]
+    # the full list goes to the report file, as when building from the splits
+    report = Path(f"{out}.report.txt").read_text()
+    assert (
+        "1034-121119-0001" in report and f"full list of exclusions and drops: {out}" in captured.out
+    )
     assert cli.main([*args, "--strict"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {raw}: 1 out-of-vocabulary transcripts (strict mode):\n")
