@@ -5,7 +5,7 @@ Every `run` / `step` / `eval` call prints one line and appends one JSON object t
 record of the run's implementation choices (rnnt.backends):
 
     {"kind": "run", "time": 1714000000.0, "run_id": "3f9c0a1b22d4", "seed": 1234567,
-     "world_size": 8, "resumed": false}
+     "seed_source": "drawn", "world_size": 8, "resumed": false}
     {"kind": "backends", "time": ..., "data": "torch/cpu", "encoder_lstm": "cudnn",
      "loss": "reference", "lamb": "torch", "reasons": {"data": "auto: ...", ...}}
     {"kind": "train", "time": 1714000000.1, "step": 120, "epoch": 2, "loss": 48.2, "lr": 0.0031,
@@ -81,17 +81,26 @@ class RunLog:
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 
-    def run(self, run_id: str, seed: int, world_size: int, resumed: bool) -> None:
+    def run(self, run_id: str, seed: int, seed_source: str, world_size: int, resumed: bool) -> None:
         """The run's identity, once per process start: its id (in its checkpoints too), its
-        seed, and whether it continues from a checkpoint."""
+        seed and where it came from (training.seed, the checkpoint, or drawn from the OS), and
+        whether it continues from a checkpoint."""
         if not self.is_main:
             return
         how = "resumed" if resumed else "fresh"
         self._print(
-            f"run {run_id} ({how}): seed {seed}, {world_size} rank(s) derive theirs from it"
+            f"run {run_id} ({how}): seed {seed} ({seed_source}), {world_size} rank(s) derive "
+            "theirs from it"
         )
         self._record(
-            "run", dict(run_id=run_id, seed=int(seed), world_size=world_size, resumed=resumed)
+            "run",
+            dict(
+                run_id=run_id,
+                seed=int(seed),
+                seed_source=seed_source,
+                world_size=world_size,
+                resumed=resumed,
+            ),
         )
 
     def info(self, message: str) -> None:

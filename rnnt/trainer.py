@@ -85,11 +85,17 @@ class Trainer:
         )
         newest = self.checkpoints.complete() if resume else []
         saved = newest[0].meta if newest else {}
+        if tcfg.seed is not None:
+            seed_source = "training.seed"
+        elif saved.get("seed") is not None:
+            seed_source = "the checkpoint"
+        else:
+            seed_source = "drawn"
         tcfg.seed = agree_on_seed(tcfg.seed if tcfg.seed is not None else saved.get("seed"), ctx)
         # one id per run: its checkpoints carry it, and retention deletes only its own
         self.run_id = agree_on_run_id(saved.get("run_id"), ctx)
         self.checkpoints.run_id = self.run_id
-        self.log.run(self.run_id, tcfg.seed, ctx.world_size, resumed=bool(newest))
+        self.log.run(self.run_id, tcfg.seed, seed_source, ctx.world_size, resumed=bool(newest))
         self.log.info(set_torch_threads(cfg.data.num_threads, tcfg.torch_threads))
         self.seeds = rank_seeds(tcfg.seed, ctx.rank)
         torch.manual_seed(self.seeds.torch)

@@ -237,7 +237,7 @@ def test_runs_never_mix_in_one_output_dir(capsys, tiny_sets, tmp_path, corpus):
     assert main([str(TINY), "--overwrite", *sets]) == 1  # trained: the target not reached
     printed = capsys.readouterr().out
     (run,) = [r for r in read_metrics(out / METRICS_FILE) if r["kind"] == "run"]
-    assert f"run {run['run_id']} (fresh): seed {run['seed']}, 1 rank(s)" in printed
+    assert f"run {run['run_id']} (fresh): seed {run['seed']} (drawn), 1 rank(s)" in printed
     assert f"run {run['run_id']}: target NOT reached" in printed
     (checkpoint,) = (out / "checkpoints").iterdir()  # the earlier run's is gone
     meta = json.loads((checkpoint / "complete.json").read_text())["meta"]
@@ -247,7 +247,7 @@ def test_runs_never_mix_in_one_output_dir(capsys, tiny_sets, tmp_path, corpus):
 
     assert main([str(TINY), "--resume", *sets]) == 1
     again = [r for r in read_metrics(out / METRICS_FILE) if r["kind"] == "run"]
-    assert [(r["run_id"], r["seed"], r["resumed"]) for r in again] == [
-        (run["run_id"], run["seed"], False),
-        (run["run_id"], run["seed"], True),
+    assert [(r["run_id"], r["seed"], r["seed_source"], r["resumed"]) for r in again] == [
+        (run["run_id"], run["seed"], "drawn", False),
+        (run["run_id"], run["seed"], "the checkpoint", True),
     ]

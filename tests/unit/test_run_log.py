@@ -93,7 +93,7 @@ def test_step_and_eval_lines_and_records(tmp_path, capsys):
 
 def test_the_run_record_and_the_dropped_utterances(tmp_path, capsys):
     with RunLog(tmp_path, is_main=True) as log:
-        log.run("3f9c0a1b22d4", 1234567, world_size=8, resumed=False)
+        log.run("3f9c0a1b22d4", 1234567, "drawn", world_size=8, resumed=False)
         log.step(
             step=3,
             epoch=1,
@@ -106,7 +106,7 @@ def test_the_run_record_and_the_dropped_utterances(tmp_path, capsys):
         )
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith(
-        "] run 3f9c0a1b22d4 (fresh): seed 1234567, 8 rank(s) derive theirs from it"
+        "] run 3f9c0a1b22d4 (fresh): seed 1234567 (drawn), 8 rank(s) derive theirs from it"
     )
     assert out[1].endswith("| loss scale 1 | skipped steps 0 | dropped utterances 2")
     run, train = read_metrics(tmp_path / METRICS_FILE)
@@ -115,6 +115,7 @@ def test_the_run_record_and_the_dropped_utterances(tmp_path, capsys):
         "kind": "run",
         "run_id": "3f9c0a1b22d4",
         "seed": 1234567,
+        "seed_source": "drawn",
         "world_size": 8,
         "resumed": False,
     }
