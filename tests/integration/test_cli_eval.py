@@ -50,6 +50,15 @@ def test_missing_checkpoint(capsys, checkpoint, tmp_path):
     assert status == 2 and err == [f"error: checkpoint not found: {tmp_path / 'ckpt_e9_s9'}"]
 
 
+def test_a_checkpoint_whose_save_never_finished(capsys, checkpoint):
+    """complete.json is written last: without it the folder is a save cut short."""
+    sets, path = checkpoint
+    (path / "complete.json").unlink()
+    status, err = evaluate(capsys, path, *sets)
+    assert status == 2
+    assert err == [f"error: {path} is not a complete checkpoint (no complete.json)"]
+
+
 def test_truncated_checkpoint(capsys, checkpoint):
     sets, path = checkpoint
     model = path / "model.pt"

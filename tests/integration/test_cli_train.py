@@ -69,6 +69,26 @@ def test_bad_json_names_the_line(capsys, tiny_sets, tmp_path, corpus):
     assert line.startswith(f"error: {manifest}:2: not valid JSON")
 
 
+def test_a_negative_duration_names_the_line(capsys, tiny_sets, tmp_path, corpus):
+    manifest = tmp_path / "train.jsonl"
+    lines = (corpus["root"] / "train.jsonl").read_text().splitlines()
+    entry = json.loads(lines[2])
+    lines[2] = json.dumps({**entry, "duration": -1.5})
+    manifest.write_text("\n".join(lines) + "\n")
+    line = one_line_error(
+        capsys, *tiny_sets(tmp_path / "out", f"data.train_manifests=[{manifest}]")
+    )
+    assert line.startswith(f"error: {manifest}:3: field 'duration' must be positive, got -1.5")
+
+
+def test_resume_and_overwrite_together_are_refused(capsys, tiny_sets, tmp_path):
+    with pytest.raises(SystemExit) as info:
+        main([str(TINY), "--resume", "--overwrite", *tiny_sets(tmp_path / "out")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("error: argument --overwrite: not allowed with argument --resume")
+
+
 def test_missing_tokenizer(capsys, tiny_sets, tmp_path):
     line = one_line_error(
         capsys, *tiny_sets(tmp_path / "out", f"data.tokenizer={tmp_path}/t.model")
