@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -38,6 +39,18 @@ def tiny_overrides(corpus: dict, out: Path, *extra: str) -> list[str]:
 def as_set_args(overrides: list[str]) -> list[str]:
     """`--set` arguments of a command line, one per override."""
     return [arg for value in overrides for arg in ("--set", value)]
+
+
+def train_command(
+    nproc: int, *args: str, device: str = "cpu", torchrun: tuple[str, ...] = ()
+) -> list[str]:
+    """`train.py configs/tiny.yaml ARGS` as one process, or under torchrun with `nproc`
+    processes (`torchrun`: its own extra flags); run from the repository root."""
+    script = ["train.py", "configs/tiny.yaml", "--device", device, *args]
+    if nproc == 1:
+        return [sys.executable, *script]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*launcher, "--nproc_per_node", str(nproc), *torchrun, *script]
 
 
 def tiny_cfg(**kw) -> ModelConfig:

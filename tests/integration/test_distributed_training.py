@@ -22,7 +22,7 @@ import torch
 from rnnt.checkpoint import CheckpointManager
 from rnnt.preemption import EXIT_PREEMPTED, PREEMPTED_MARKER
 from rnnt.run_log import read_metrics
-from tests.helpers import as_set_args, tiny_overrides
+from tests.helpers import as_set_args, tiny_overrides, train_command
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # about 2 minutes together on 2 cores
@@ -54,16 +54,6 @@ def launch(request) -> tuple[str, int]:
     if device == "cuda" and torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} CUDA devices")
     return device, nproc
-
-
-def command(
-    nproc: int, *args: str, device: str = "cpu", torchrun: tuple[str, ...] = ()
-) -> list[str]:
-    script = ["train.py", "configs/tiny.yaml", "--device", device, *args]
-    if nproc == 1:
-        return [sys.executable, *script]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return [*launcher, "--nproc_per_node", str(nproc), *torchrun, *script]
 
 
 # cuBLAS is deterministic (training.deterministic) only with a fixed workspace
@@ -148,7 +138,7 @@ def test_ranks_train_to_the_weights_of_one_rank(corpus, tmp_path, launch):
     device, world = launch
     one, two = tmp_path / "one", tmp_path / "two"
     for nproc, out in ((1, one), (world, two)):
-        proc = run(command(nproc, *sets(corpus, out, 8 // nproc, *EXACT), device=device))
+        proc = run(train_command(nproc, *sets(corpus, out, 8 // nproc, *EXACT), device=device))
         assert "target NOT reached" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     steps_one, steps_two = train_losses(one), train_losses(two)
     assert sorted(steps_one) == sorted(steps_two) == list(range(1, 7))
@@ -181,12 +171,12 @@ def test_a_preempted_run_saves_at_a_step_boundary_and_resumes_exactly(corpus, tm
     device, _ = launch
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
     extra = ("training.epochs=3", "training.save_every_epochs=0")
-    proc = run(command(2, *sets(corpus, reference, 4, *extra), device=device))
+    proc = run(train_command(2, *sets(corpus, reference, 4, *extra), device=device))
     assert "target NOT reached" in proc.stdout, proc.stderr[-3000:]
     expected = train_losses(reference)
     assert sorted(expected) == list(range(1, 19))
 
-    launcher = start(command(2, *sets(corpus, interrupted, 4, *extra), device=device))
+    launcher = start(train_command(2, *sets(corpus, interrupted, 4, *extra), device=device))
     wait_for_step(interrupted, 3, launcher)
     os.kill(launcher.pid, signal.SIGTERM)  # torchrun forwards it to its workers
     output = launcher.communicate(timeout=120)[0]
@@ -199,7 +189,7 @@ def test_a_preempted_run_saves_at_a_step_boundary_and_resumes_exactly(corpus, tm
     marker = (interrupted / PREEMPTED_MARKER).read_text().strip()
     assert marker.startswith(str(interrupted / "checkpoints" / "ckpt_")) and marker in output
 
-    proc = run(command(2, "--resume", *sets(corpus, interrupted, 4, *extra), device=device))
+    proc = run(train_command(2, "--resume", *sets(corpus, interrupted, 4, *extra), device=device))
     assert "target NOT reached" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert not (interrupted / PREEMPTED_MARKER).exists()  # a later crash is not a preemption
     after = train_losses(interrupted)
@@ -212,7 +202,9 @@ def test_a_preempted_run_saves_at_a_step_boundary_and_resumes_exactly(corpus, tm
 def test_sigusr1_to_the_workers_stops_them_with_the_requeue_status(corpus, tmp_path, launch):
     """As SLURM's `--signal=USR1@N` does with one task per rank (no torchrun in between)."""
     out = tmp_path / "run"
-    launcher = start(command(2, *sets(corpus, out, 4, "training.epochs=50"), device=launch[0]))
+    launcher = start(
+        train_command(2, *sets(corpus, out, 4, "training.epochs=50"), device=launch[0])
+    )
     wait_for_step(out, 2, launcher)
     pids = workers(launcher)
     assert len(pids) == 2
@@ -228,7 +220,9 @@ def test_sigusr1_to_the_workers_stops_them_with_the_requeue_status(corpus, tmp_p
 @pytest.mark.parametrize("launch", [CPU2, CUDA2], indirect=True)
 def test_a_killed_rank_ends_the_job(corpus, tmp_path, launch):
     out = tmp_path / "run"
-    launcher = start(command(2, *sets(corpus, out, 4, "training.epochs=50"), device=launch[0]))
+    launcher = start(
+        train_command(2, *sets(corpus, out, 4, "training.epochs=50"), device=launch[0])
+    )
     wait_for_step(out, 2, launcher)
     killed = time.monotonic()
     os.kill(workers(launcher)[0], signal.SIGKILL)
@@ -240,7 +234,7 @@ def test_a_killed_rank_ends_the_job(corpus, tmp_path, launch):
 def test_torchrun_restarts_a_killed_job_which_resumes_and_finishes(corpus, tmp_path, launch):
     out = tmp_path / "run"
     extra = ("training.epochs=2", "training.checkpoint_every_steps=2")
-    cmd = command(
+    cmd = train_command(
         2,
         "--resume",
         *sets(corpus, out, 4, *extra),
@@ -260,11 +254,11 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one(corpus, tmp_path):
     the resumed run ends where the two ranks did."""
     two, one = tmp_path / "two", tmp_path / "one"
     extra = (*EXACT, "training.checkpoint_every_steps=4", "training.keep_last_checkpoints=10")
-    proc = run(command(2, *sets(corpus, two, 4, *extra)))
+    proc = run(train_command(2, *sets(corpus, two, 4, *extra)))
     assert "target NOT reached" in proc.stdout, proc.stderr[-3000:]
     (one / "checkpoints").mkdir(parents=True)
     shutil.copytree(two / "checkpoints" / "ckpt_e0_s4", one / "checkpoints" / "ckpt_e0_s4")
-    proc = run(command(1, "--resume", *sets(corpus, one, 8, *extra)))
+    proc = run(train_command(1, "--resume", *sets(corpus, one, 8, *extra)))
     assert "; NOT exact: it was written by 2 rank(s)" in proc.stdout, (
         proc.stdout[-3000:] + proc.stderr[-2000:]
     )

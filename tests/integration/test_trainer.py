@@ -17,7 +17,7 @@ from rnnt.config import load_config
 from rnnt.distributed import DistContext
 from rnnt.run_log import read_metrics
 from rnnt.trainer import NonFiniteLossError, Trainer
-from tests.helpers import tiny_overrides
+from tests.helpers import as_set_args, tiny_overrides, train_command
 
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -225,24 +225,10 @@ def test_fp16_overflow_skips_and_scales_as_gradscaler_says(corpus, tmp_path):
 
 def test_two_processes_under_torchrun_share_one_log_and_one_eval(corpus, tmp_path, repo_root):
     import subprocess
-    import sys
 
     out = tmp_path / "ddp"
     sets = tiny_overrides(corpus, out, "training.batch_size=4", "eval.batch_size=4")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "train.py",
-        "configs/tiny.yaml",
-        "--device",
-        "cpu",
-    ]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd = train_command(2, *as_set_args(sets))
     proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
     assert "target NOT reached" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     mlperf = (out / "mlperf.log").read_text()
