@@ -23,7 +23,7 @@
 #   bash bench/gpu_session.sh corpus      # espeak-ng from .carry/debs; the sentences corpus
 #   bash bench/gpu_session.sh pipeline    # bench/data_pipeline.py on it, every backend here
 #   bash bench/gpu_session.sh realstep    # the trainer's step on its audio vs synthetic batches
-#   bash bench/gpu_session.sh converge    # both runs of configs/convergence/, in the background
+#   bash bench/gpu_session.sh converge    # the runs of configs/convergence/, in the background
 #   bash bench/gpu_session.sh wait        # until they end (or this call's time); their metrics
 #   bash bench/gpu_session.sh evalparity  # eval.py in every decoder mode; compliance checker
 # DALI travels in parts, one per call (.carry/dali, made by bench/dali_parts.sh); each call
@@ -41,9 +41,11 @@ gpus=$(nvidia-smi --list-gpus | wc -l)
 mkdir -p "$OUT"
 # the GPU machine runs this checkout uninstalled: the benchmarks and scripts import rnnt from it
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# an earlier phase on this machine (maybe still running) installed them already
+if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:$PYTHONPATH; fi
 if [ -d "$WHEELS" ] && ! python3 -c "import librosa, mlperf_logging" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$WHEELS"/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 if [ -d .carry/dali ]; then
   mkdir -p /tmp/dali_parts && cp -n .carry/dali/* /tmp/dali_parts/ 2>/dev/null
@@ -185,18 +187,29 @@ for line in open(sys.argv[1]):
     python3 scripts/plot_metrics.py "$OUT/realstep_real_metrics.jsonl" \
       "$OUT/realstep_synthetic_metrics.jsonl" --labels real synthetic --summary-only ;;
   converge)
-    # the runs named in RUNS (fast, plain) for each seed in SEEDS, all at once on this GPU,
-    # detached so that later calls can wait for them
+    # the runs named in RUNS (fast, plain, target) for each seed in SEEDS, detached so that
+    # later calls can wait for them; run i gets GPU i mod (GPUs here) and an equal share of
+    # the cores for its loader workers. The plain path takes micro-batches of 96 with two
+    # accumulated (the same global batch) where a GPU has under 100 GiB: its float32 lattice
+    # log-probabilities and their gradient need about 75 GB at 192.
     mkdir -p "$runs"
-    for seed in ${SEEDS:-1}; do
-      for path in ${RUNS:-fast plain}; do
-        config=configs/convergence/sentences.yaml
-        [ "$path" = plain ] && config=configs/convergence/sentences_plain.yaml
-        name="${path}_s$seed"
-        setsid nohup python3 train.py "$config" --set training.seed="$seed" \
-          --set training.output_dir="$runs/$name" > "$runs/$name.log" 2>&1 < /dev/null &
-        echo "$name: pid $!"
-      done
+    mem_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1) / 1024 ))
+    names=()
+    for seed in ${SEEDS:-1}; do for path in ${RUNS:-fast plain}; do names+=("${path}_s$seed"); done; done
+    workers=$(( $(nproc) / (${#names[@]} < gpus ? ${#names[@]} : gpus) - 2 ))
+    [ "$workers" -gt 14 ] && workers=14
+    for i in "${!names[@]}"; do
+      name=${names[$i]} path=${names[$i]%_s*} seed=${names[$i]##*_s}
+      config=configs/convergence/sentences.yaml extra=()
+      [ "$path" = target ] && config=configs/convergence/sentences_target.yaml
+      if [ "$path" = plain ]; then
+        config=configs/convergence/sentences_plain.yaml
+        [ "$mem_gib" -lt 100 ] && extra=(--set training.batch_size=96 --set training.grad_accumulation=2)
+      fi
+      CUDA_VISIBLE_DEVICES=$(( i % gpus )) setsid nohup python3 train.py "$config" \
+        --set training.seed="$seed" --set data.num_threads="$workers" "${extra[@]}" \
+        --set training.output_dir="$runs/$name" > "$runs/$name.log" 2>&1 < /dev/null &
+      echo "$name: pid $!, GPU $(( i % gpus )), $workers workers ${extra[*]}"
     done ;;
   wait)
     # until every run of `converge` has ended, or this call's time is nearly up

@@ -71,15 +71,16 @@ def lattice_log_likelihood(
     label_d = skew(lp_label, logit_lens, target_lens)  # label U_b cannot be emitted
     n_diag = blank_d.shape[1]
     u = torch.arange(u1, device=lp_blank.device)
-    neg_col = torch.full((b, 1), _NEG, dtype=lp_blank.dtype, device=lp_blank.device)
+    # cells with t = n - u outside [0, T) have no value and stay at _NEG; one mask for all
+    # diagonals, built before the loop, whose Python overhead is most of a GPU's time here
+    t_of_cell = torch.arange(n_diag, device=lp_blank.device).unsqueeze(1) - u
+    on_grid = (t_of_cell >= 0) & (t_of_cell < t)  # (N, U+1)
     alpha = torch.where(u == 0, 0.0, _NEG).to(lp_blank.dtype).expand(b, u1)
     alphas = [alpha]
     for n in range(1, n_diag):
         stay = alpha + blank_d[:, n - 1]
-        emit = torch.cat([neg_col, (alpha + label_d[:, n - 1])[:, :-1]], dim=1)
-        alpha = torch.logaddexp(stay, emit)
-        # cells with t = n - u outside [0, T) have no value; keep them at _NEG
-        alpha = torch.where((n - u >= 0) & (n - u < t), alpha, _NEG)
+        emit = torch.nn.functional.pad((alpha + label_d[:, n - 1])[:, :-1], (1, 0), value=_NEG)
+        alpha = torch.where(on_grid[n], torch.logaddexp(stay, emit), _NEG)
         alphas.append(alpha)
     alpha_all = torch.stack(alphas, dim=1)  # (B, N, U+1)
     rows = torch.arange(b, device=lp_blank.device)
@@ -159,12 +160,16 @@ class LossBackend:
 class ReferenceLoss(LossBackend):
     """Joint(f, g), then `rnnt_loss_reference` in float32 (float64 stays float64).
 
-    With host lengths, utterance by utterance over its own T_b x (U_b+1) lattice: the padded
-    box of a random batch of 192 at LibriSpeech lengths holds 2.2 to 2.6 times the rows of its
-    lattices, and the (B, T, U+1, V) logits, their float32 log-softmax and its gradient decide
-    whether such a batch fits a GPU at all."""
+    With host lengths, the joint runs only near each utterance's own T_b x (U_b+1) lattice:
+    the utterances are sorted by frames and taken in groups of `group_size`, each group
+    padded to its own longest. The padded box of a random batch of 192 at LibriSpeech lengths
+    holds 2.2 to 2.6 times the rows of its lattices, and the (B, T, U+1, V) logits, their
+    float32 log-softmax and its gradient decide whether such a batch fits a GPU at all;
+    groups, not single utterances, keep the launches per step (and their Python overhead)
+    few. The loss is the padded computation's: padding cells never reach the lattice walk."""
 
     name = "reference"
+    group_size = 16
 
     def __call__(self, joint, f, g, f_lens, targets, target_lens, host_lens):
         if host_lens is None:
@@ -173,16 +178,27 @@ class ReferenceLoss(LossBackend):
         b, t_max, u1_max = f.shape[0], f.shape[1], g.shape[1]
         t_lens, u_lens = check_host_lens(host_lens, b, t_max, u1_max - 1)
         dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
+        order = sorted(range(b), key=lambda row: (t_lens[row], u_lens[row]))
         blanks, labels = [], []
-        for row, (t, u) in enumerate(zip(t_lens, u_lens)):
-            logits = joint(f[row : row + 1, :t], g[row : row + 1, : u + 1])[0]  # (t, u+1, V)
+        for start in range(0, b, self.group_size):
+            rows = order[start : start + self.group_size]
+            t = max(t_lens[row] for row in rows)
+            u = max(u_lens[row] for row in rows)
+            index = torch.tensor(rows, device=f.device)
+            logits = joint(f[index, :t], g[index, : u + 1])  # (G, t, u+1, V)
             lp = torch.log_softmax(logits.to(dtype), dim=-1)
-            index = targets[row, :u].long().view(1, u, 1).expand(t, u, 1)
-            lattice_pad = (0, u1_max - u - 1, 0, t_max - t)
-            blanks.append(torch.nn.functional.pad(lp[..., self.blank], lattice_pad, value=_NEG))
-            label = torch.gather(lp[:, :u], 2, index).squeeze(2)  # (t, u)
+            pad = (0, u1_max - u - 1, 0, t_max - t)
+            blanks.append(torch.nn.functional.pad(lp[..., self.blank], pad, value=_NEG))
+            label_ids = targets[index, :u].long().clamp(0, lp.shape[-1] - 1)
+            label_ids = label_ids.view(len(rows), 1, u, 1).expand(-1, t, -1, -1)
+            label = torch.gather(lp[:, :, :u], 3, label_ids).squeeze(3)  # (G, t, u)
             labels.append(torch.nn.functional.pad(label, (0, u1_max - u, 0, t_max - t), value=_NEG))
-        nll = -lattice_log_likelihood(torch.stack(blanks), torch.stack(labels), f_lens, target_lens)
+        inverse = torch.empty(b, dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(b)
+        inverse = inverse.to(f.device)
+        lp_blank = torch.cat(blanks)[inverse]
+        lp_label = torch.cat(labels)[inverse]
+        nll = -lattice_log_likelihood(lp_blank, lp_label, f_lens, target_lens)
         return nll.mean()
 
 

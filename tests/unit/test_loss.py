@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rnnt.config import ConfigError, ModelConfig
-from rnnt.loss import TransducerLoss, rnnt_loss_reference
+from rnnt.loss import ReferenceLoss, TransducerLoss, rnnt_loss_reference
 from rnnt.model import Joint
 
 
@@ -161,14 +161,23 @@ def test_transducer_loss_reference_backend_is_joint_then_reference():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("group_size", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_reference_backend_with_host_lengths_computes_only_the_lattices(dtype):
-    """Given the host lengths, the reference runs the joint on each utterance's own
-    T_b x (U_b+1) rows, never the padded box, with the padded computation's loss and
-    gradients."""
-    joint, f, g, f_lens, targets, target_lens = _joint_inputs(b=3, t=7, u=5)
-    joint = joint.to(dtype)
-    f, g = (x.detach().to(dtype).requires_grad_(True) for x in (f, g))
+def test_reference_backend_with_host_lengths_computes_only_near_the_lattices(
+    dtype, group_size, monkeypatch
+):
+    """Given the host lengths, the reference runs the joint on groups of utterances sorted by
+    frames, each padded to its own longest (one utterance a group: exactly its T_b x (U_b+1)
+    rows), with the padded computation's loss and gradients."""
+    monkeypatch.setattr(ReferenceLoss, "group_size", group_size)
+    gen = torch.Generator().manual_seed(3)
+    b, t_max, u_max, hid, vocab = 7, 9, 5, 8, 6
+    joint = Joint(ModelConfig(joint_n_hid=hid, n_classes=vocab, joint_dropout=0.0)).to(dtype)
+    f = torch.randn(b, t_max, hid, generator=gen, dtype=dtype, requires_grad=True)
+    g = torch.randn(b, u_max + 1, hid, generator=gen, dtype=dtype, requires_grad=True)
+    f_lens = torch.tensor([9, 2, 5, 1, 7, 9, 3])
+    target_lens = torch.tensor([5, 1, 0, 2, 4, 3, 5])
+    targets = torch.randint(0, vocab - 1, (b, u_max), generator=gen)
     leaves = (f, g, joint.fc.weight)
     loss = TransducerLoss("reference", 5)
     padded = loss(joint, f, g, f_lens, targets, target_lens)
@@ -178,12 +187,16 @@ def test_reference_backend_with_host_lengths_computes_only_the_lattices(dtype):
         lambda _m, inputs, _out: rows.append(inputs[0].shape[1] * inputs[1].shape[1])
     )
     host = (f_lens.tolist(), target_lens.tolist())
-    packed = loss(joint, f, g, f_lens, targets, target_lens, host_lens=host)
+    grouped = loss(joint, f, g, f_lens, targets, target_lens, host_lens=host)
     hook.remove()
-    assert sum(rows) == sum(t * (u + 1) for t, u in zip(*host)) < f.shape[0] * 7 * 6
+    by_frames = sorted(zip(*host))
+    groups = [by_frames[i : i + group_size] for i in range(0, b, group_size)]
+    want_rows = [max(t for t, _ in grp) * (max(u for _, u in grp) + 1) for grp in groups]
+    assert rows == want_rows
+    assert sum(r * len(grp) for r, grp in zip(rows, groups)) < b * t_max * (u_max + 1)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else {}
-    torch.testing.assert_close(packed, padded, **tol)
-    for got, want in zip(torch.autograd.grad(packed, leaves), padded_grads, strict=True):
+    torch.testing.assert_close(grouped, padded, **tol)
+    for got, want in zip(torch.autograd.grad(grouped, leaves), padded_grads, strict=True):
         torch.testing.assert_close(got, want, **tol)
 
 
