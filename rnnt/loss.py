@@ -57,37 +57,86 @@ def lattice_log_likelihood(
 
     lp_blank (B, T, U+1): log-prob of blank at (t, u) (moves to (t+1, u));
     lp_label (B, T, U+1): log-prob of target label u+1 at (t, u) (moves to (t, u+1)); column U
-    is never read. Returns (B,) in the inputs' dtype.
+    is never read. Returns (B,) in the inputs' dtype, differentiable in lp_blank and lp_label
+    (computed in float64 inside).
 
     The forward variable alpha is advanced one anti-diagonal n = t + u at a time, vectorised
     over the batch and the diagonal: alpha_n[u] = logaddexp(alpha_{n-1}[u] + blank(n-1-u, u),
-    alpha_{n-1}[u-1] + label(n-u, u-1)). Cells outside each utterance's T_b x (U_b+1) lattice
-    hold _NEG, so padding (whatever its values) gets exactly zero gradient.
+    alpha_{n-1}[u-1] + label(n-u, u-1)). The gradient comes from the backward variable beta,
+    walked the same way from each utterance's end (Graves 2012, eq. 16): the occupancy of a
+    transition is exp(alpha + its log-prob + beta of where it leads - log P). Autograd through
+    the walk would keep a graph node per diagonal, each of whose backward fills a tensor of the
+    whole lattice. Cells outside each utterance's T_b x (U_b+1) lattice hold _NEG, so padding
+    (whatever its values) gets exactly zero gradient.
     """
-    b, t, u1 = lp_blank.shape
-    logit_lens = logit_lens.to(lp_blank.device)
-    target_lens = target_lens.to(lp_blank.device)
-    blank_d = skew(lp_blank, logit_lens, target_lens + 1)  # (B, N, U+1)
-    label_d = skew(lp_label, logit_lens, target_lens)  # label U_b cannot be emitted
-    n_diag = blank_d.shape[1]
-    u = torch.arange(u1, device=lp_blank.device)
-    # cells with t = n - u outside [0, T) have no value and stay at _NEG; one mask for all
-    # diagonals, built before the loop, whose Python overhead is most of a GPU's time here
-    t_of_cell = torch.arange(n_diag, device=lp_blank.device).unsqueeze(1) - u
-    on_grid = (t_of_cell >= 0) & (t_of_cell < t)  # (N, U+1)
-    alpha = torch.where(u == 0, 0.0, _NEG).to(lp_blank.dtype).expand(b, u1)
-    alphas = [alpha]
-    for n in range(1, n_diag):
-        stay = alpha + blank_d[:, n - 1]
-        emit = torch.nn.functional.pad((alpha + label_d[:, n - 1])[:, :-1], (1, 0), value=_NEG)
-        alpha = torch.where(on_grid[n], torch.logaddexp(stay, emit), _NEG)
-        alphas.append(alpha)
-    alpha_all = torch.stack(alphas, dim=1)  # (B, N, U+1)
-    rows = torch.arange(b, device=lp_blank.device)
-    last_n = (logit_lens - 1 + target_lens).long()
-    final = alpha_all[rows, last_n, target_lens.long()]
-    last_blank = lp_blank[rows, (logit_lens - 1).long(), target_lens.long()]
-    return final + last_blank
+    return _LatticeWalk.apply(lp_blank, lp_label, logit_lens, target_lens)
+
+
+class _LatticeWalk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, lp_blank, lp_label, logit_lens, target_lens):
+        b, t, u1 = lp_blank.shape
+        logit_lens = logit_lens.to(lp_blank.device).long()
+        target_lens = target_lens.to(lp_blank.device).long()
+        # The walk runs in float64: alpha and beta each carry the rounding of hundreds of
+        # logaddexps, and an occupancy exp(alpha + beta - log P) of float32 ones was off by
+        # 3e-4 (autograd's chain of float32 softmax weights: 6e-5); the (B, N, U+1) arrays are
+        # small beside the joint's logits.
+        blank_d = skew(lp_blank.double(), logit_lens, target_lens + 1)  # (B, N, U+1)
+        label_d = skew(lp_label.double(), logit_lens, target_lens)  # label U_b is never emitted
+        n_diag = blank_d.shape[1]
+        u = torch.arange(u1, device=lp_blank.device)
+        # cells with t = n - u outside [0, T) have no value and stay at _NEG; one mask for all
+        # diagonals, built before the loop, whose launches are most of a GPU's time here
+        t_of_cell = torch.arange(n_diag, device=lp_blank.device).unsqueeze(1) - u
+        on_grid = (t_of_cell >= 0) & (t_of_cell < t)  # (N, U+1)
+        alpha_all = torch.empty_like(blank_d)
+        alpha = torch.where(u == 0, 0.0, _NEG).double().expand(b, u1)
+        alpha_all[:, 0] = alpha
+        for n in range(1, n_diag):
+            stay = alpha + blank_d[:, n - 1]
+            emit = torch.nn.functional.pad((alpha + label_d[:, n - 1])[:, :-1], (1, 0), value=_NEG)
+            alpha = torch.where(on_grid[n], torch.logaddexp(stay, emit), _NEG)
+            alpha_all[:, n] = alpha
+        rows = torch.arange(b, device=lp_blank.device)
+        last_n = logit_lens - 1 + target_lens
+        last_blank = blank_d[rows, last_n, target_lens]
+        ll = alpha_all[rows, last_n, target_lens] + last_blank
+        ctx.save_for_backward(blank_d, label_d, alpha_all, ll, on_grid, last_n, target_lens)
+        ctx.t, ctx.dtype = t, lp_blank.dtype
+        return ll.to(lp_blank.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_ll):
+        blank_d, label_d, alpha_all, ll, on_grid, last_n, target_lens = ctx.saved_tensors
+        b, n_diag, u1 = blank_d.shape
+        device = blank_d.device
+        u = torch.arange(u1, device=device)
+        # The final blank leads from (T_b - 1, U_b) to a virtual cell one diagonal past the
+        # utterance's last, where beta is log 1: it stands in the "next" vector of diagonal
+        # last_n at column U_b.
+        diag = torch.arange(n_diag, device=device)
+        ends = (diag.view(1, -1, 1) == last_n.view(-1, 1, 1)) & (u == target_lens.view(-1, 1, 1))
+        beyond = torch.full((b, u1), _NEG, dtype=blank_d.dtype, device=device)
+        beta_next = torch.empty_like(blank_d)  # beta of diagonal n + 1, as diagonal n sees it
+        for n in range(n_diag - 1, -1, -1):
+            nxt = torch.where(ends[:, n], 0.0, beyond)
+            beta_next[:, n] = nxt
+            stay = blank_d[:, n] + nxt
+            emit = label_d[:, n] + torch.nn.functional.pad(nxt[:, 1:], (0, 1), value=_NEG)
+            beyond = torch.where(on_grid[n], torch.logaddexp(stay, emit), _NEG)
+        scale = grad_ll.double().view(b, 1, 1)
+        base = alpha_all - ll.view(b, 1, 1)
+        grad_blank_d = torch.exp(base + blank_d + beta_next) * scale
+        next_label = torch.nn.functional.pad(beta_next[:, :, 1:], (0, 1), value=_NEG)
+        grad_label_d = torch.exp(base + label_d + next_label) * scale
+        # back from diagonals to the (T, U+1) grid: cell (t, u) sits on diagonal t + u
+        t_idx = torch.arange(ctx.t, device=device).unsqueeze(1)
+        cell_diag = t_idx + u
+        u_grid = u.expand_as(cell_diag)
+        grad_blank = grad_blank_d[:, cell_diag, u_grid].to(ctx.dtype)
+        grad_label = grad_label_d[:, cell_diag, u_grid].to(ctx.dtype)
+        return grad_blank, grad_label, None, None
 
 
 def rnnt_loss_reference(
@@ -97,7 +146,8 @@ def rnnt_loss_reference(
     target_lens: torch.Tensor,
     blank: int,
 ) -> torch.Tensor:
-    """Exact RNN-T negative log-likelihood per utterance, gradients via autograd.
+    """Exact RNN-T negative log-likelihood per utterance. Gradients: autograd through the
+    log-softmax, the lattice walk's own alpha-beta backward (`lattice_log_likelihood`).
 
     logits (B, T, U+1, V) (any float dtype; computed in float32, or float64 if given float64),
     targets (B, U) int labels in [0, V) (values past target_lens are ignored),
@@ -179,12 +229,15 @@ class ReferenceLoss(LossBackend):
         t_lens, u_lens = check_host_lens(host_lens, b, t_max, u1_max - 1)
         dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
         order = sorted(range(b), key=lambda row: (t_lens[row], u_lens[row]))
+        inverse = sorted(range(b), key=order.__getitem__)  # position of each row in order
+        # the step must not wait for the host: both index lists go in one non-blocking copy
+        order_d, inverse_d = to_device(order + inverse, f.device, torch.long).split(b)
         blanks, labels = [], []
         for start in range(0, b, self.group_size):
             rows = order[start : start + self.group_size]
             t = max(t_lens[row] for row in rows)
             u = max(u_lens[row] for row in rows)
-            index = torch.tensor(rows, device=f.device)
+            index = order_d[start : start + self.group_size]
             logits = joint(f[index, :t], g[index, : u + 1])  # (G, t, u+1, V)
             lp = torch.log_softmax(logits.to(dtype), dim=-1)
             pad = (0, u1_max - u - 1, 0, t_max - t)
@@ -193,11 +246,8 @@ class ReferenceLoss(LossBackend):
             label_ids = label_ids.view(len(rows), 1, u, 1).expand(-1, t, -1, -1)
             label = torch.gather(lp[:, :, :u], 3, label_ids).squeeze(3)  # (G, t, u)
             labels.append(torch.nn.functional.pad(label, (0, u1_max - u, 0, t_max - t), value=_NEG))
-        inverse = torch.empty(b, dtype=torch.long)
-        inverse[torch.tensor(order)] = torch.arange(b)
-        inverse = inverse.to(f.device)
-        lp_blank = torch.cat(blanks)[inverse]
-        lp_label = torch.cat(labels)[inverse]
+        lp_blank = torch.cat(blanks)[inverse_d]
+        lp_label = torch.cat(labels)[inverse_d]
         nll = -lattice_log_likelihood(lp_blank, lp_label, f_lens, target_lens)
         return nll.mean()
 
