@@ -18,7 +18,10 @@ import triton.language as tl
 BLOCK = 512
 
 
-@triton.jit
+# The widths change with every batch; specialised (Triton's default: a variant for multiples
+# of 16) each new combination would compile anew in the loader's process, stalling the input
+# pipeline for a second or more in its first batches.
+@triton.jit(do_not_specialize=["width", "out_width"])
 def _resample_kernel(
     wave_ptr,  # (B, width) float32
     lengths_ptr,  # (B,) int64: valid input samples per row
