@@ -187,7 +187,7 @@ for line in open(sys.argv[1]):
     python3 scripts/plot_metrics.py "$OUT/realstep_real_metrics.jsonl" \
       "$OUT/realstep_synthetic_metrics.jsonl" --labels real synthetic --summary-only ;;
   converge)
-    # the runs named in RUNS (fast, plain, target) for each seed in SEEDS, detached so that
+    # the runs named in RUNS (fast, plain) for each seed in SEEDS, detached so that
     # later calls can wait for them; run i gets GPU i mod (GPUs here) and an equal share of
     # the cores for its loader workers. The plain path takes micro-batches of 96 with two
     # accumulated (the same global batch) where a GPU has under 100 GiB: its float32 lattice
@@ -201,7 +201,6 @@ for line in open(sys.argv[1]):
     for i in "${!names[@]}"; do
       name=${names[$i]} path=${names[$i]%_s*} seed=${names[$i]##*_s}
       config=configs/convergence/sentences.yaml extra=()
-      [ "$path" = target ] && config=configs/convergence/sentences_target.yaml
       if [ "$path" = plain ]; then
         config=configs/convergence/sentences_plain.yaml
         [ "$mem_gib" -lt 100 ] && extra=(--set training.batch_size=96 --set training.grad_accumulation=2)
