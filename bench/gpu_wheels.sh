@@ -7,8 +7,11 @@
 set -euo pipefail
 dest=${1:-.carry/wheels}
 mkdir -p "$dest"
+# the last line: what DALI (carried apart, bench/dali_parts.sh) imports beyond numpy and
+# packaging, which the image has; its image and compression codecs are never imported here
 packages=(soundfile cffi pycparser soxr librosa audioread pooch platformdirs decorator
-          mlperf-logging jiwer rapidfuzz)
+          mlperf-logging jiwer rapidfuzz
+          optree gast astunparse six nvtx makefun "libcst~=1.8")
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \

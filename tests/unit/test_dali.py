@@ -241,14 +241,18 @@ def test_skip_bad_drops_a_file_that_cannot_be_read(corpus, tmp_path):
     assert batch.feats.shape[0] == 3 and loader.dropped_utterances == 1
 
 
-def test_generator_state_resumes_the_dither_exactly(corpus):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_generator_state_resumes_the_dither_exactly(corpus, device):
     """A loader restored from (position, generator state) after one batch gives the second
-    batch bit for bit; one restored from the position alone dithers differently."""
+    batch bit for bit; one restored from the position alone dithers differently. On the GPU
+    the features (and the dither) are DALI's GPU operators."""
     cfg = _cfg("dali")
+    cfg.data.device = device
 
     def loader():
         sampler = BucketingSampler([u.duration for u in corpus], 2, 1, 0, 1, seed=1)
-        return build_loader(cfg, corpus, train=True, sampler=sampler)
+        where = "cuda" if device == "gpu" else "cpu"
+        return build_loader(cfg, corpus, train=True, sampler=sampler, device=where)
 
     first = loader()
     first.set_epoch(1)
