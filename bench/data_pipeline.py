@@ -86,7 +86,9 @@ def bench_config(
     return cfg
 
 
-def time_loader(cfg: Config, utts, dataset_dir, device: str, warmup: int, batches: int) -> dict:
+def time_loader(
+    cfg: Config, utts, dataset_dir, device: str, warmup: int, batches: int, profile: bool = False
+) -> dict:
     loader = build_loader(cfg, utts, dataset_dir, train=True, device=device)
     transform = BatchTransform(cfg.features, train=True, dtype=torch.float16).to(device)
     loader.set_epoch(0)
@@ -105,7 +107,7 @@ def time_loader(cfg: Config, utts, dataset_dir, device: str, warmup: int, batche
     wall = time.perf_counter() - wall0
     cores = (cpu_seconds() - cpu0) / wall
     del it  # the replay below restarts the loader's persistent workers
-    gpu_ms = gpu_stage_ms(loader, transform) if device == "cuda" else None
+    gpu_ms = gpu_stage_ms(loader, transform, profile=profile) if device == "cuda" else None
     return {
         "utterances_per_s": utterances / wall,
         "cores": cores,
@@ -114,15 +116,21 @@ def time_loader(cfg: Config, utts, dataset_dir, device: str, warmup: int, batche
     }
 
 
-def gpu_stage_ms(loader, transform, batches: int = 10) -> float | None:
+def gpu_stage_ms(loader, transform, batches: int = 10, profile: bool = False) -> float | None:
     """Median CUDA time of the batched feature stage plus the device transform (torch
-    backend on a GPU), replayed on raw batches of the loader's own workers."""
+    backend on a GPU), replayed on raw batches of the loader's own workers. `profile`: also
+    print the stage's kernels, by CUDA time, over its last three replays."""
     stage = getattr(loader.backend, "_device_features", None)
     if stage is None:  # DALI: its GPU work runs inside its own pipeline
         return None
     raw = iter(loader.backend.loader)
     times = []
-    for _ in range(batches):
+    profiler = None
+    for i in range(batches):
+        if profile and i == batches - 3:
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            profiler = torch.profiler.profile(activities=activities)
+            profiler.__enter__()
         indices, seed, padded, lens, _unreadable = next(raw)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream = torch.cuda.current_stream()
@@ -133,6 +141,9 @@ def gpu_stage_ms(loader, transform, batches: int = 10) -> float | None:
         end.record(stream)
         end.synchronize()
         times.append(start.elapsed_time(end))
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
     return statistics.median(times)
 
 
@@ -164,6 +175,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed batches first")
     parser.add_argument("--batches", type=int, default=40, help="timed batches")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--profile", action="store_true", help="print the GPU stage's kernels (torch backend)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # the main process assembles batches; the workers decode
 
@@ -180,7 +194,15 @@ def main() -> None:
         for resampling in args.resampling if args.device == "cuda" else ["cpu"]:
             for threads in args.threads:
                 cfg = bench_config(backend, args.device, resampling, threads, args.batch_size)
-                r = time_loader(cfg, utts, args.dataset_dir, args.device, args.warmup, args.batches)
+                r = time_loader(
+                    cfg,
+                    utts,
+                    args.dataset_dir,
+                    args.device,
+                    args.warmup,
+                    args.batches,
+                    args.profile,
+                )
                 r.update(backend=backend, resampling=resampling, threads=threads)
                 results.append(r)
                 gpu = r["gpu_ms_per_batch"]

@@ -237,21 +237,34 @@ def power_spectrum(
     """Centred, reflect-padded STFT power: (B, S) -> (B, T, n_fft // 2 + 1), T = 1 + S // hop.
 
     Reflection happens at each utterance's own end, so padding never leaks into its frames.
+    Frames past an utterance's `num_frames` hold finite values that mean nothing.
     """
     win = window.numel()
-    width = wave.shape[1]
+    batch, width = wave.shape
     frames = num_frames(lengths, hop)
     t_max = width // hop + 1
-    idx = (
-        torch.arange(t_max, device=wave.device)[:, None] * hop
-        - win // 2
-        + torch.arange(win, device=wave.device)[None]
-    )  # (T, win) positions before reflection
-    last = (lengths - 1).clamp(min=0)[:, None, None]
-    idx = idx[None].abs()  # mirror at the start
-    idx = torch.where(idx > last, 2 * last - idx, idx).clamp(min=0)  # mirror at the end
-    idx = torch.minimum(idx, last)  # utterances shorter than half a window
-    segments = torch.gather(wave, 1, idx.reshape(wave.shape[0], -1)).reshape(idx.shape)
+    left = win // 2  # samples before position 0 of the first frame
+    right = win - left  # reflected samples that the last real frame reads past the end
+    last = (lengths - 1).clamp(min=0)[:, None]
+
+    def reflected(pos: torch.Tensor) -> torch.Tensor:
+        """The source sample of (B, N) positions outside [0, last]: mirrored at the start and
+        at the utterance's end (pos > last), kept inside utterances shorter than the mirror."""
+        pos = pos.abs()
+        pos = torch.where(pos > last, 2 * last - pos, pos).clamp(min=0)
+        return torch.gather(wave, 1, torch.minimum(pos, last))
+
+    # One padded copy that every frame reads as a strided view (no (B, T, win) index tensor):
+    # `left` mirrored samples, the waveform, then each utterance's mirrored tail written just
+    # past its own end.
+    span = max((t_max - 1) * hop + win, left + width + right)
+    padded = wave.new_zeros(batch, span)
+    padded[:, left : left + width] = wave
+    head = torch.arange(-left, 0, device=wave.device)[None].expand(batch, left)
+    padded[:, :left] = reflected(head)
+    tail = lengths.clamp(min=0)[:, None] + torch.arange(right, device=wave.device)[None]
+    padded.scatter_(1, tail + left, reflected(tail))
+    segments = padded.unfold(1, win, hop)[:, :t_max]  # (B, T, win), a view
     spec = torch.fft.rfft(segments * window, n=n_fft)
     return spec.real**2 + spec.imag**2, frames
 

@@ -20,6 +20,7 @@ from rnnt.data.features import (
     FeatureExtractor,
     mel_basis,
     normalize,
+    power_spectrum,
     preemphasis,
     read_audio,
     resample,
@@ -112,6 +113,32 @@ def test_trim_matches_window_loop_oracle():
         np.testing.assert_array_equal(trimmed[i, : end - begin].numpy(), x[begin:end])
         assert torch.all(trimmed[i, end - begin :] == 0)
     assert new_lens[0] < len(rows[0]) and new_lens[2] == 1500
+
+
+def test_power_spectrum_frames_are_numpy_reflect_padded_stfts():
+    """Each real frame is the power of rfft(window * frame) of the utterance alone, centred with
+    numpy's reflect padding, whatever the batch's other rows and its padding hold; utterances
+    shorter than half a window included."""
+    gen = torch.Generator().manual_seed(0)
+    win, hop, n_fft = 400, 160, 512
+    window = torch.hann_window(win, periodic=False, dtype=torch.float64)
+    lengths = [16000, 15999, 3000, 201, 161, 150, 7]
+    width = max(lengths) + 57
+    wave = torch.randn(len(lengths), width, generator=gen, dtype=torch.float64)
+    power, frames = power_spectrum(wave, torch.tensor(lengths), window, hop, n_fft)
+    assert power.shape == (len(lengths), width // hop + 1, n_fft // 2 + 1)
+    assert torch.isfinite(power).all()
+    for row, n in enumerate(lengths):
+        assert int(frames[row]) == n // hop + 1
+        x = wave[row, :n].numpy()
+        if n > win // 2:
+            padded = np.pad(x, win // 2, mode="reflect")
+            for t in range(n // hop + 1):
+                frame = padded[t * hop : t * hop + win] * window.numpy()
+                want = np.abs(np.fft.rfft(frame, n=n_fft)) ** 2
+                np.testing.assert_allclose(power[row, t].numpy(), want, rtol=1e-9, atol=1e-9)
+        else:  # numpy cannot reflect more than the signal holds; ours folds back inside it
+            assert torch.isfinite(power[row, : n // hop + 1]).all()
 
 
 def test_preemphasis_matches_lfilter():
