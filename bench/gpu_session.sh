@@ -54,7 +54,9 @@ if [ -f /tmp/dali_parts/SHA256SUMS ] && [ ! -d /tmp/dali_site ]; then
   archive=$(awk '{print $2}' /tmp/dali_parts/SHA256SUMS)
   if cat /tmp/dali_parts/"$archive".part* > "/tmp/$archive" 2>/dev/null \
       && (cd /tmp && sha256sum --quiet -c /tmp/dali_parts/SHA256SUMS); then
-    mkdir -p /tmp/dali_site && tar -xJf "/tmp/$archive" -C /tmp/dali_site
+    # unpacked beside, then renamed: an interrupted unpack must not pass for a finished one
+    rm -rf /tmp/dali_site.partial && mkdir -p /tmp/dali_site.partial \
+      && tar -xJf "/tmp/$archive" -C /tmp/dali_site.partial && mv /tmp/dali_site.partial /tmp/dali_site
   else
     echo "DALI: $(find /tmp/dali_parts -name '*.part*' | wc -l) parts here, not all yet"
   fi
@@ -188,10 +190,11 @@ for line in open(sys.argv[1]):
       "$OUT/realstep_synthetic_metrics.jsonl" --labels real synthetic --summary-only ;;
   converge)
     # the runs named in RUNS (fast, plain) for each seed in SEEDS, detached so that
-    # later calls can wait for them; run i gets GPU i mod (GPUs here) and an equal share of
-    # the cores for its loader workers. The plain path takes micro-batches of 96 with two
+    # later calls can wait for them; run i gets GPU (FIRST_GPU + i) mod (GPUs here) and an
+    # equal share of the cores for its loader workers. The plain path takes micro-batches of 96 with two
     # accumulated (the same global batch) where a GPU has under 100 GiB: its float32 lattice
-    # log-probabilities and their gradient need about 75 GB at 192.
+    # log-probabilities and their gradient need about 75 GB at 192. Each run would otherwise
+    # take every core of the host for torch's intra-op threads, as if it were alone there.
     mkdir -p "$runs"
     mem_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1) / 1024 ))
     names=()
@@ -205,10 +208,12 @@ for line in open(sys.argv[1]):
         config=configs/convergence/sentences_plain.yaml
         [ "$mem_gib" -lt 100 ] && extra=(--set training.batch_size=96 --set training.grad_accumulation=2)
       fi
-      CUDA_VISIBLE_DEVICES=$(( i % gpus )) setsid nohup python3 train.py "$config" \
-        --set training.seed="$seed" --set data.num_threads="$workers" "${extra[@]}" \
+      gpu=$(( (${FIRST_GPU:-0} + i) % gpus ))
+      CUDA_VISIBLE_DEVICES=$gpu setsid nohup python3 train.py "$config" \
+        --set training.seed="$seed" --set data.num_threads="$workers" \
+        --set training.torch_threads=2 "${extra[@]}" \
         --set training.output_dir="$runs/$name" > "$runs/$name.log" 2>&1 < /dev/null &
-      echo "$name: pid $!, GPU $(( i % gpus )), $workers workers ${extra[*]}"
+      echo "$name: pid $!, GPU $gpu, $workers workers ${extra[*]}"
     done ;;
   wait)
     # until every run of `converge` has ended, or this call's time is nearly up

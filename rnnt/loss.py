@@ -18,6 +18,7 @@ import itertools
 from typing import ClassVar
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from rnnt.config import ConfigError, LossConfig
 from rnnt.host_lengths import HostLens, check_host_lens, to_device
@@ -239,17 +240,48 @@ class ReferenceLoss(LossBackend):
             u = max(u_lens[row] for row in rows)
             index = order_d[start : start + self.group_size]
             logits = joint(f[index, :t], g[index, : u + 1])  # (G, t, u+1, V)
-            lp = torch.log_softmax(logits.to(dtype), dim=-1)
+            label_ids = targets[index, :u].long().clamp(0, logits.shape[-1] - 1)
+            blank, label = _TransitionLogProbs.apply(logits, label_ids, self.blank, dtype)
             pad = (0, u1_max - u - 1, 0, t_max - t)
-            blanks.append(torch.nn.functional.pad(lp[..., self.blank], pad, value=_NEG))
-            label_ids = targets[index, :u].long().clamp(0, lp.shape[-1] - 1)
-            label_ids = label_ids.view(len(rows), 1, u, 1).expand(-1, t, -1, -1)
-            label = torch.gather(lp[:, :, :u], 3, label_ids).squeeze(3)  # (G, t, u)
+            blanks.append(torch.nn.functional.pad(blank, pad, value=_NEG))
             labels.append(torch.nn.functional.pad(label, (0, u1_max - u, 0, t_max - t), value=_NEG))
         lp_blank = torch.cat(blanks)[inverse_d]
         lp_label = torch.cat(labels)[inverse_d]
         nll = -lattice_log_likelihood(lp_blank, lp_label, f_lens, target_lens)
         return nll.mean()
+
+
+class _TransitionLogProbs(torch.autograd.Function):
+    """logits (G, t, u+1, V), label ids (G, u) -> the log-probabilities of blank (G, t, u+1)
+    and of the next label (G, t, u) in `dtype`: log_softmax, then the two picks.
+
+    The backward is log-softmax's own, d logits = onehot terms - softmax x (their sum), from
+    the saved logits and log-normaliser: autograd's would keep the whole float32 log-softmax
+    and fill two more lattice-sized tensors with zeros for the picks' gradients."""
+
+    @staticmethod
+    def forward(ctx, logits, label_ids, blank, dtype):
+        x = logits.to(dtype)
+        lse = torch.logsumexp(x, dim=-1)  # (G, t, u+1)
+        g, t, u1, _ = x.shape
+        picks = label_ids.view(g, 1, u1 - 1, 1).expand(g, t, u1 - 1, 1)
+        lp_blank = x[..., blank] - lse
+        lp_label = torch.gather(x[:, :, : u1 - 1], 3, picks).squeeze(3) - lse[:, :, : u1 - 1]
+        ctx.save_for_backward(logits, lse, picks)
+        ctx.blank, ctx.dtype = blank, dtype
+        return lp_blank, lp_label
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_blank, grad_label):
+        logits, lse, picks = ctx.saved_tensors
+        u = picks.shape[2]
+        out = grad_blank.clone()
+        out[:, :, :u] += grad_label
+        grad = torch.exp(logits.to(ctx.dtype) - lse.unsqueeze(-1)).mul_(-out.unsqueeze(-1))
+        grad[..., ctx.blank] += grad_blank
+        grad[:, :, :u].scatter_add_(3, picks, grad_label.unsqueeze(-1))
+        return grad.to(logits.dtype), None, None, None
 
 
 class TorchaudioLoss(LossBackend):
