@@ -14,7 +14,8 @@
 #                                         # log frequencies 1 and 10, bench/train_step.py beside it
 #   bash bench/gpu_session.sh multi       # the NCCL tests (-m multi_gpu) on this machine's GPUs
 #   bash bench/gpu_session.sh scaling     # weak scaling of the Trainer's step on 1, 2, 4, ... GPUs
-#                                         # at 192 and 24 per GPU, exposed communication
+#                                         # at 192 and 24 per GPU, exposed communication; strong
+#                                         # scaling: half the GPUs, two micro-batches each
 #   bash bench/gpu_session.sh fullrun     # train.py under torchrun on 2 and 4 GPUs, with eval
 #   bash bench/gpu_session.sh dgx         # the MLPerf configuration on every GPU here, 3 epochs:
 #                                         # its projected time to train and compliance verdict
@@ -125,7 +126,14 @@ case "$phase" in
     done
     torchrun --standalone --nproc_per_node "$gpus" bench/train_step.py --batch-sizes 192 24 \
       --num-cg 4 --steps 30 ${AVG:+--average-lengths} --set training.overlap_grad_reduce=false \
-      --json "$OUT/scaling_${gpus}_no_overlap${AVG:+_avg}.json" 2>&1 | tee "$OUT/scaling_no_overlap.log" ;;
+      --json "$OUT/scaling_${gpus}_no_overlap${AVG:+_avg}.json" 2>&1 | tee "$OUT/scaling_no_overlap.log"
+    # strong scaling: the global batch of all GPUs at 192 each, on half the GPUs with two
+    # micro-batches of 192 accumulated per step
+    if [ "$gpus" -ge 2 ]; then
+      torchrun --standalone --nproc_per_node $(( gpus / 2 )) bench/train_step.py --batch-sizes 192 \
+        --num-cg 4 --steps 30 --set training.grad_accumulation=2 \
+        --json "$OUT/scaling_$(( gpus / 2 ))x2.json" 2>&1 | tee "$OUT/scaling_strong.log" | grep -v Warning
+    fi ;;
   fullrun)
     for n in 2 4; do
       [ "$n" -le "$gpus" ] || break

@@ -187,6 +187,7 @@ def bench_one(args, ctx: DistContext, batch_size: int, num_cg: int, peak: float)
         joint_ms = rest_ms = waits = None
         peak_mem = 0.0
     median = statistics.median(step_ms)
+    accumulation = trainer.cfg.training.grad_accumulation  # a step: every micro-batch of it
     result = {
         "world_size": ctx.world_size,
         "batch_size": batch_size,
@@ -198,7 +199,8 @@ def bench_one(args, ctx: DistContext, batch_size: int, num_cg: int, peak: float)
         "steps": len(step_ms),
         "median_step_ms": median,
         "mean_step_ms": 1e3 * total_s / len(step_ms),
-        "utts_per_s": ctx.world_size * batch_size / (median * 1e-3),
+        "grad_accumulation": accumulation,
+        "utts_per_s": ctx.world_size * batch_size * accumulation / (median * 1e-3),
         "median_joint_loss_ms": statistics.median(joint_ms) if joint_ms else None,
         "median_rest_ms": statistics.median(rest_ms) if rest_ms else None,
         "peak_memory_gib": peak_mem,
