@@ -23,6 +23,7 @@ import math
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -234,14 +235,20 @@ class DaliFeatureIterator:
 
         class _Epoch:
             """Iterable for external_source: each iter() is the loader's current epoch from its
-            start position."""
+            start position. DALI asks for a batch on the thread that runs the pipeline; the
+            next batch's files are already being read on another thread by then."""
 
             def __iter__(self) -> Iterator[tuple[list, list]]:
                 epoch, start = owner.epoch, owner.start
-                for batch_no, indices in enumerate(owner.plan.batches(epoch, start), start=start):
-                    kept, encoded, speeds = owner._read_batch(indices, epoch, batch_no)
-                    owner._pending.append(kept)
-                    yield encoded, [np.float32(s) for s in speeds]
+                batches = enumerate(owner.plan.batches(epoch, start), start=start)
+                with ThreadPoolExecutor(1, thread_name_prefix="dali-ahead") as ahead:
+                    reads = (ahead.submit(owner._read_batch, ix, epoch, no) for no, ix in batches)
+                    upcoming = next(reads, None)
+                    while upcoming is not None:
+                        current, upcoming = upcoming, next(reads, None)
+                        kept, encoded, speeds = current.result()
+                        owner._pending.append(kept)
+                        yield encoded, [np.float32(s) for s in speeds]
 
         return _Epoch()
 

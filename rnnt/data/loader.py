@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -385,8 +386,22 @@ def _one_thread(_worker_id: int) -> None:
 # DALI backend wiring: file access and diagnosis stay here, next to the torch backend's
 
 
+def _encoded(path: str) -> np.ndarray | str:
+    """A file's bytes, or the one-line message of why it cannot be read."""
+    try:
+        return np.fromfile(path, dtype=np.uint8)
+    except FileNotFoundError:
+        return f"{path}: audio file not found"
+    except OSError as err:
+        return f"{path}: cannot read audio file ({err.strerror or err})"
+
+
 class DaliFileSource:
-    """Encoded bytes and speeds of a batch for the DALI pipeline; names bad files."""
+    """Encoded bytes and speeds of a batch for the DALI pipeline; names bad files.
+
+    The files of a batch are read by `threads` threads: DALI calls its source on the thread
+    that runs the pipeline, and one thread reading 192 files of 12 s one after another took
+    56 ms on a 2-core machine, enough to cap DALI near 3,400 utterances per second."""
 
     def __init__(
         self,
@@ -397,6 +412,7 @@ class DaliFileSource:
         seed: int,
         rank: int,
         unreadable: UnreadableAudio,
+        threads: int = 1,
     ) -> None:
         self.utts = utts
         self.dataset_dir = dataset_dir
@@ -405,6 +421,7 @@ class DaliFileSource:
         self.seed = seed
         self.rank = rank
         self.unreadable = unreadable
+        self.readers = ThreadPoolExecutor(max(1, threads), thread_name_prefix="dali-read")
 
     def read(
         self, indices: Sequence[int], epoch: int, batch_no: int
@@ -419,17 +436,13 @@ class DaliFileSource:
             speeds = draw_speeds(self.cfg, len(indices), generator).tolist()
         else:
             speeds = [1.0] * len(indices)
+        paths = [audio_path(self.utts[i], self.dataset_dir) for i in indices]
         kept, encoded, kept_speeds, unreadable = [], [], [], []
-        for i, speed in zip(indices, speeds):
-            path = audio_path(self.utts[i], self.dataset_dir)
-            try:
-                encoded.append(np.fromfile(path, dtype=np.uint8))
-            except FileNotFoundError:
-                unreadable.append(f"{path}: audio file not found")
+        for i, speed, data in zip(indices, speeds, self.readers.map(_encoded, paths)):
+            if isinstance(data, str):
+                unreadable.append(data)
                 continue
-            except OSError as err:
-                unreadable.append(f"{path}: cannot read audio file ({err.strerror or err})")
-                continue
+            encoded.append(data)
             kept.append(i)
             kept_speeds.append(speed)
         self.unreadable.handle(unreadable, len(kept))
@@ -509,7 +522,9 @@ def build_loader(
     else:
         from rnnt.data.dali import DaliFeatureIterator
 
-        files = DaliFileSource(utts, dataset_dir, cfg.features, train, seed, rank, unreadable)
+        files = DaliFileSource(
+            utts, dataset_dir, cfg.features, train, seed, rank, unreadable, cfg.data.num_threads
+        )
         loader = DaliFeatureIterator(
             cfg.features,
             train,
