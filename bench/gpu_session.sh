@@ -24,6 +24,7 @@
 #   bash bench/gpu_session.sh corpus      # espeak-ng from .carry/debs; the sentences corpus
 #   bash bench/gpu_session.sh pipeline    # bench/data_pipeline.py on it, every backend here
 #   bash bench/gpu_session.sh realstep    # the trainer's step on its audio vs synthetic batches
+#                                         # (BACKEND=torch|dali, RESAMPLING=gpu|cpu)
 #   bash bench/gpu_session.sh converge    # the runs of configs/convergence/, in the background
 #   bash bench/gpu_session.sh wait        # until they end (or this call's time); their metrics
 #   bash bench/gpu_session.sh evalparity  # eval.py in every decoder mode; compliance checker
@@ -188,8 +189,8 @@ for line in open(sys.argv[1]):
       [ "$data" = synthetic ] && extra=(--set data.backend=synthetic
         --set data.synthetic_train_lengths=/tmp/sentences_train_lengths.tsv
         --set data.synthetic_val_lengths=/tmp/sentences_dev_lengths.tsv)
-      python3 train.py configs/convergence/sentences.yaml --set training.epochs=1 \
-        --set data.resampling_device="${RESAMPLING:-gpu}" \
+      python3 train.py configs/convergence/sentences.yaml --overwrite --set training.epochs=1 \
+        --set data.backend="${BACKEND:-torch}" --set data.resampling_device="${RESAMPLING:-gpu}" \
         --set training.output_dir="/tmp/step_$data" "${extra[@]}" 2>&1 | tee "$OUT/realstep_$data.log" \
         | grep -v Warning
       cp "/tmp/step_$data/metrics.jsonl" "$OUT/realstep_${data}_metrics.jsonl"
@@ -197,11 +198,11 @@ for line in open(sys.argv[1]):
     python3 scripts/plot_metrics.py "$OUT/realstep_real_metrics.jsonl" \
       "$OUT/realstep_synthetic_metrics.jsonl" --labels real synthetic --summary-only ;;
   converge)
-    # the runs named in RUNS (fast, plain) for each seed in SEEDS, detached so that
-    # later calls can wait for them; run i gets GPU (FIRST_GPU + i) mod (GPUs here) and an
-    # equal share of the cores for its loader workers. The plain path takes micro-batches of 96 with two
-    # accumulated (the same global batch) where a GPU has under 100 GiB: its float32 lattice
-    # log-probabilities and their gradient need about 75 GB at 192. Each run would otherwise
+    # the runs named in RUNS (fast, plain) for each seed in SEEDS, detached so that later
+    # calls can wait for them; run i gets GPU (FIRST_GPU + i) mod (GPUs here) and an equal
+    # share of the cores for its loader workers. The plain path takes micro-batches of 96 with
+    # two accumulated (the same global batch) where a GPU has under 100 GiB: its lattice
+    # log-probabilities and their gradient needed about 75 GB at 192. Each run would otherwise
     # take every core of the host for torch's intra-op threads, as if it were alone there.
     mkdir -p "$runs"
     mem_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1) / 1024 ))
