@@ -213,11 +213,12 @@ class ReferenceLoss(LossBackend):
 
     With host lengths, the joint runs only near each utterance's own T_b x (U_b+1) lattice:
     the utterances are sorted by frames and taken in groups of `group_size`, each group
-    padded to its own longest. The padded box of a random batch of 192 at LibriSpeech lengths
-    holds 2.2 to 2.6 times the rows of its lattices, and the (B, T, U+1, V) logits, their
-    float32 log-softmax and its gradient decide whether such a batch fits a GPU at all;
-    groups, not single utterances, keep the launches per step (and their Python overhead)
-    few. The loss is the padded computation's: padding cells never reach the lattice walk."""
+    padded to its own longest, and only the blank and next-label log-probabilities leave a
+    group (`_TransitionLogProbs`). The padded box of a random batch of 192 at LibriSpeech
+    lengths holds 2.2 to 2.6 times the rows of its lattices, and the (B, T, U+1, V) logits
+    with their float32 log-softmax decide whether such a batch fits a GPU at all; groups, not
+    single utterances, keep the launches per step (and their Python overhead) few. The loss is
+    the padded computation's: padding cells never reach the lattice walk."""
 
     name = "reference"
     group_size = 16
