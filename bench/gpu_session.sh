@@ -202,8 +202,7 @@ for line in open(sys.argv[1]):
     # calls can wait for them; run i gets GPU (FIRST_GPU + i) mod (GPUs here) and an equal
     # share of the cores for its loader workers. The plain path takes micro-batches of 96 with
     # two accumulated (the same global batch) where a GPU has under 100 GiB: its lattice
-    # log-probabilities and their gradient needed about 75 GB at 192. Each run would otherwise
-    # take every core of the host for torch's intra-op threads, as if it were alone there.
+    # log-probabilities and their gradient needed about 75 GB at 192.
     mkdir -p "$runs"
     mem_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1) / 1024 ))
     names=()
@@ -219,8 +218,7 @@ for line in open(sys.argv[1]):
       fi
       gpu=$(( (${FIRST_GPU:-0} + i) % gpus ))
       CUDA_VISIBLE_DEVICES=$gpu setsid nohup python3 train.py "$config" \
-        --set training.seed="$seed" --set data.num_threads="$workers" \
-        --set training.torch_threads=2 "${extra[@]}" \
+        --set training.seed="$seed" --set data.num_threads="$workers" "${extra[@]}" \
         --set training.output_dir="$runs/$name" > "$runs/$name.log" 2>&1 < /dev/null &
       echo "$name: pid $!, GPU $gpu, $workers workers ${extra[*]}"
     done ;;

@@ -16,6 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -139,19 +140,42 @@ def torch_threads(cores: int, local_ranks: int, data_threads: int, setting: int)
     return max(1, cores // max(local_ranks, 1) - data_threads)
 
 
+NVIDIA_PROC_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the driver sees
+
+
+def visible_gpu_share(env: dict[str, str], proc_gpus: Path | None = None) -> tuple[int, int]:
+    """(GPUs this job may use, GPUs of the node) where CUDA_VISIBLE_DEVICES names fewer than
+    the node has, else (1, 1). Jobs that split a node's GPUs between them (a sweep of
+    one-GPU runs) share its cores too, though each one's CPU affinity names all of them."""
+    names = [n for n in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if n.strip()]
+    try:
+        on_node = sum(1 for _ in (proc_gpus or NVIDIA_PROC_GPUS).iterdir())
+    except OSError:
+        return 1, 1
+    if "CUDA_VISIBLE_DEVICES" not in env or not 0 < len(names) < on_node:
+        return 1, 1
+    return len(names), on_node
+
+
 def set_torch_threads(data_threads: int, setting: int) -> str:
     """Apply `torch_threads` to this process; returns the one line that says what it chose."""
     cores = available_cores()
     local_ranks = int(
         os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1"))
     )
-    threads = torch_threads(cores, local_ranks, data_threads, setting)
+    visible, on_node = visible_gpu_share(dict(os.environ))
+    if cores < (os.cpu_count() or cores):
+        visible = on_node = 1  # the affinity (a SLURM step, taskset) made the split already
+    job_cores = max(1, cores * visible // on_node)
+    threads = torch_threads(job_cores, local_ranks, data_threads, setting)
     torch.set_num_threads(threads)
+    share = f" x {visible}/{on_node} of the node's GPUs" if on_node > visible else ""
     why = (
         "training.torch_threads"
         if setting > 0
         else (
-            f"{cores} cores / {local_ranks} rank(s) on this node - {data_threads} data.num_threads"
+            f"{cores} cores{share} / {local_ranks} rank(s) on this node - {data_threads} "
+            "data.num_threads"
         )
     )
     return f"torch intra-op threads: {threads} ({why})"

@@ -57,6 +57,26 @@ def test_one_process_without_a_launcher(monkeypatch):
     assert _launcher_env() == (0, 1, 0)
 
 
+def test_jobs_on_part_of_a_nodes_gpus_take_that_part_of_its_cores(tmp_path):
+    """Four one-GPU runs on a 4-GPU, 64-core host each saw all 64 cores in their affinity and
+    asked for 56 intra-op threads; each one's share is a quarter of the node."""
+    from rnnt.distributed import torch_threads, visible_gpu_share
+
+    proc = tmp_path / "gpus"
+    for bus in ("0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0"):
+        (proc / bus).mkdir(parents=True)
+    assert visible_gpu_share({"CUDA_VISIBLE_DEVICES": "2"}, proc) == (1, 4)
+    assert visible_gpu_share({"CUDA_VISIBLE_DEVICES": "0,1"}, proc) == (2, 4)
+    visible, on_node = visible_gpu_share({"CUDA_VISIBLE_DEVICES": "3"}, proc)
+    assert torch_threads(64 * visible // on_node, 1, 14, 0) == 2
+    # all of them, none named, or a machine without the NVIDIA driver: the whole node
+    assert visible_gpu_share({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, proc) == (1, 1)
+    assert visible_gpu_share({}, proc) == (1, 1)
+    assert visible_gpu_share({"CUDA_VISIBLE_DEVICES": "2"}, tmp_path / "absent") == (1, 1)
+    # hiding every GPU is a CPU run of the whole machine
+    assert visible_gpu_share({"CUDA_VISIBLE_DEVICES": ""}, proc) == (1, 1)
+
+
 def test_torch_threads_share_the_cores_with_the_loader_and_other_ranks():
     from rnnt.distributed import torch_threads
 
@@ -80,5 +100,51 @@ def test_the_choice_is_applied_and_said(monkeypatch):
             f"torch intra-op threads: {available_cores()} ({available_cores()} cores / 1 rank(s) "
             "on this node - 0 data.num_threads)"
         )
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_job_on_part_of_the_nodes_gpus_says_so(monkeypatch, tmp_path):
+    import torch
+
+    from rnnt import distributed
+    from rnnt.distributed import available_cores, set_torch_threads
+
+    for bus in ("a", "b", "c", "d"):
+        (tmp_path / bus).mkdir()
+    monkeypatch.setattr(distributed, "NVIDIA_PROC_GPUS", tmp_path)
+    monkeypatch.setattr(distributed.os, "cpu_count", distributed.available_cores)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    before = torch.get_num_threads()
+    try:
+        line = set_torch_threads(data_threads=0, setting=0)
+        cores = available_cores()
+        assert torch.get_num_threads() == max(1, cores // 4)
+        assert line == (
+            f"torch intra-op threads: {max(1, cores // 4)} ({cores} cores x 1/4 of the node's "
+            "GPUs / 1 rank(s) on this node - 0 data.num_threads)"
+        )
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_affinity_that_split_the_node_already_is_not_split_again(monkeypatch, tmp_path):
+    import torch
+
+    from rnnt import distributed
+    from rnnt.distributed import available_cores, set_torch_threads
+
+    for bus in ("a", "b", "c", "d"):
+        (tmp_path / bus).mkdir()
+    monkeypatch.setattr(distributed, "NVIDIA_PROC_GPUS", tmp_path)
+    monkeypatch.setattr(distributed.os, "cpu_count", lambda: 4 * available_cores())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    before = torch.get_num_threads()
+    try:
+        line = set_torch_threads(data_threads=0, setting=0)
+        assert torch.get_num_threads() == available_cores()
+        assert "of the node's GPUs" not in line
     finally:
         torch.set_num_threads(before)
