@@ -86,65 +86,60 @@ def test_torch_threads_share_the_cores_with_the_loader_and_other_ranks():
     assert torch_threads(cores=128, local_ranks=8, data_threads=4, setting=3) == 3  # the setting
 
 
-def test_the_choice_is_applied_and_said(monkeypatch):
-    import torch
-
-    from rnnt.distributed import available_cores, set_torch_threads
-
-    before = torch.get_num_threads()
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    try:
-        line = set_torch_threads(data_threads=0, setting=0)
-        assert torch.get_num_threads() == available_cores()
-        assert line == (
-            f"torch intra-op threads: {available_cores()} ({available_cores()} cores / 1 rank(s) "
-            "on this node - 0 data.num_threads)"
-        )
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_a_job_on_part_of_the_nodes_gpus_says_so(monkeypatch, tmp_path):
+@pytest.fixture
+def threads_line(monkeypatch, tmp_path):
+    """set_torch_threads on one rank, without loader threads, on a node of four GPUs of which
+    CUDA_VISIBLE_DEVICES names `visible`, in an affinity of `machine_share` of the machine:
+    returns (the threads it set, its line); torch's setting is restored after the test."""
     import torch
 
     from rnnt import distributed
-    from rnnt.distributed import available_cores, set_torch_threads
 
     for bus in ("a", "b", "c", "d"):
         (tmp_path / bus).mkdir()
     monkeypatch.setattr(distributed, "NVIDIA_PROC_GPUS", tmp_path)
-    monkeypatch.setattr(distributed.os, "cpu_count", distributed.available_cores)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     before = torch.get_num_threads()
-    try:
-        line = set_torch_threads(data_threads=0, setting=0)
-        cores = available_cores()
-        assert torch.get_num_threads() == max(1, cores // 4)
-        assert line == (
-            f"torch intra-op threads: {max(1, cores // 4)} ({cores} cores x 1/4 of the node's "
-            "GPUs / 1 rank(s) on this node - 0 data.num_threads)"
-        )
-    finally:
-        torch.set_num_threads(before)
+
+    def run(visible: str | None, machine_share: int = 1) -> tuple[int, str]:
+        if visible is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        cores = distributed.available_cores()
+        monkeypatch.setattr(distributed.os, "cpu_count", lambda: machine_share * cores)
+        line = distributed.set_torch_threads(data_threads=0, setting=0)
+        return torch.get_num_threads(), line
+
+    yield run
+    torch.set_num_threads(before)
 
 
-def test_an_affinity_that_split_the_node_already_is_not_split_again(monkeypatch, tmp_path):
-    import torch
+def test_the_choice_is_applied_and_said(threads_line):
+    from rnnt.distributed import available_cores
 
-    from rnnt import distributed
-    from rnnt.distributed import available_cores, set_torch_threads
+    cores = available_cores()
+    assert threads_line(None) == (
+        cores,
+        f"torch intra-op threads: {cores} ({cores} cores / 1 rank(s) on this node - 0 "
+        "data.num_threads)",
+    )
 
-    for bus in ("a", "b", "c", "d"):
-        (tmp_path / bus).mkdir()
-    monkeypatch.setattr(distributed, "NVIDIA_PROC_GPUS", tmp_path)
-    monkeypatch.setattr(distributed.os, "cpu_count", lambda: 4 * available_cores())
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    before = torch.get_num_threads()
-    try:
-        line = set_torch_threads(data_threads=0, setting=0)
-        assert torch.get_num_threads() == available_cores()
-        assert "of the node's GPUs" not in line
-    finally:
-        torch.set_num_threads(before)
+
+def test_a_job_on_part_of_the_nodes_gpus_says_so(threads_line):
+    from rnnt.distributed import available_cores
+
+    cores = available_cores()
+    share = max(1, cores // 4)
+    assert threads_line("1") == (
+        share,
+        f"torch intra-op threads: {share} ({cores} cores x 1/4 of the node's GPUs / 1 rank(s) "
+        "on this node - 0 data.num_threads)",
+    )
+
+
+def test_an_affinity_that_split_the_node_already_is_not_split_again(threads_line):
+    from rnnt.distributed import available_cores
+
+    threads, line = threads_line("1", machine_share=4)
+    assert threads == available_cores() and "of the node's GPUs" not in line
