@@ -23,6 +23,7 @@
 # Real audio (the convergence check of docs/CONVERGENCE.md), on one warm machine, in order:
 #   bash bench/gpu_session.sh corpus      # espeak-ng from .carry/debs; the sentences corpus
 #   bash bench/gpu_session.sh pipeline    # bench/data_pipeline.py on it, every backend here
+#   bash bench/gpu_session.sh multireal   # train.py on its audio on every GPU here (NCCL)
 #   bash bench/gpu_session.sh realstep    # the trainer's step on its audio vs synthetic batches
 #                                         # (BACKEND=torch|dali, RESAMPLING=gpu|cpu)
 #   bash bench/gpu_session.sh converge    # the runs of configs/convergence/, in the background
@@ -32,7 +33,7 @@
 # keeps its part in /tmp/dali_parts, and the call that has them all unpacks DALI.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
-phase=${1:?phase: tests | loss | step | lstm | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | realstep | converge | wait | evalparity}
+phase=${1:?phase: tests | loss | step | lstm | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | wait | evalparity}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
 # the spoken-digits corpus the distributed tests train on (this machine has no espeak-ng):
@@ -197,6 +198,14 @@ for line in open(sys.argv[1]):
     done
     python3 scripts/plot_metrics.py "$OUT/realstep_real_metrics.jsonl" \
       "$OUT/realstep_synthetic_metrics.jsonl" --labels real synthetic --summary-only ;;
+  multireal)
+    # real audio on every GPU here under NCCL: the corpus's fast-path config at 192 per GPU for
+    # EPOCHS epochs (38 steps each on 4 GPUs), evaluated after each, with BACKEND's loader
+    torchrun --standalone --nproc_per_node "$gpus" train.py configs/convergence/sentences.yaml \
+      --overwrite --set data.backend="${BACKEND:-torch}" --set training.epochs="${EPOCHS:-2}" \
+      --set training.target_wer=0 --set training.output_dir=/tmp/rnnt_multireal 2>&1 \
+      | tee "$OUT/multireal_$gpus.log" | grep -Ev "Warning|warn"
+    cp /tmp/rnnt_multireal/metrics.jsonl "$OUT/multireal_metrics_$gpus.jsonl" ;;
   converge)
     # the runs named in RUNS (fast, plain) for each seed in SEEDS, detached so that later
     # calls can wait for them; run i gets GPU (FIRST_GPU + i) mod (GPUs here) and an equal
