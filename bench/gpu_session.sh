@@ -202,7 +202,8 @@ for line in open(sys.argv[1]):
     # real audio on every GPU here under NCCL: the corpus's fast-path config at 192 per GPU for
     # EPOCHS epochs (38 steps each on 4 GPUs), evaluated after each, with BACKEND's loader
     torchrun --standalone --nproc_per_node "$gpus" train.py configs/convergence/sentences.yaml \
-      --overwrite --set data.backend="${BACKEND:-torch}" --set training.epochs="${EPOCHS:-2}" \
+      --overwrite --set system.gpus_per_node="$gpus" --set data.backend="${BACKEND:-torch}" \
+      --set training.epochs="${EPOCHS:-2}" \
       --set training.target_wer=0 --set training.output_dir=/tmp/rnnt_multireal 2>&1 \
       | tee "$OUT/multireal_$gpus.log" | grep -Ev "Warning|warn"
     cp /tmp/rnnt_multireal/metrics.jsonl "$OUT/multireal_metrics_$gpus.jsonl" ;;
