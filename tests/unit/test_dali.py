@@ -241,6 +241,28 @@ def test_skip_bad_drops_a_file_that_cannot_be_read(corpus, tmp_path):
     assert batch.feats.shape[0] == 3 and loader.dropped_utterances == 1
 
 
+def test_files_read_ahead_keep_their_order_and_a_later_bad_file_is_named(corpus, tmp_path):
+    """The batch's files are read on threads, the next batch's ahead of DALI: a missing file in
+    the second of two batches still stops the pass with one line naming it (DALI asks its
+    source for two batches before it hands out the first), or, skipped, leaves every other
+    utterance in the order of the run without it."""
+    cfg = _cfg("dali", dither=0.0)
+    cfg.eval.batch_size = 3
+    cfg.data.num_threads = 2
+    reference = [i for b in build_loader(cfg, corpus, train=False) for i in b.utt_ids]
+    features = _by_utt(build_loader(cfg, corpus, train=False))
+    missing = Utterance("gone", str(tmp_path / "gone.flac"), 0.05, "gone")  # the shortest
+    with pytest.raises(AudioFileError, match="gone.flac: audio file not found"):
+        list(build_loader(cfg, [*corpus, missing], train=False))
+    cfg.data.skip_bad = True
+    loader = build_loader(cfg, [*corpus, missing], train=False)
+    batches = [b.utt_ids for b in loader]
+    assert len(batches) == 2 and [i for b in batches for i in b] == reference
+    assert loader.dropped_utterances == 1
+    for utt_id, feats in _by_utt(loader).items():  # each utterance's own bytes, not a neighbour's
+        np.testing.assert_allclose(feats, features[utt_id], atol=1e-5, err_msg=utt_id)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_generator_state_resumes_the_dither_exactly(corpus, device):
     """A loader restored from (position, generator state) after one batch gives the second
