@@ -31,8 +31,17 @@
 #   bash bench/gpu_session.sh evalparity  # eval.py in every decoder mode; compliance checker
 # DALI travels in parts, one per call (.carry/dali, made by bench/dali_parts.sh); each call
 # keeps its part in /tmp/dali_parts, and the call that has them all unpacks DALI.
+#
+# ON_GPU=i runs a phase on GPU i alone with its share of the cores (GPU i of n gets the i-th
+# n-th of them), so that benchmarks beside `converge`'s runs neither take nor lose cores.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
+if [ -n "${ON_GPU:-}" ]; then
+  share=$(( $(nproc) / $(nvidia-smi --list-gpus | wc -l) ))
+  first=$(( ON_GPU * share ))
+  exec env ON_GPU= CUDA_VISIBLE_DEVICES="$ON_GPU" taskset -c "$first-$(( first + share - 1 ))" \
+    bash "$0" "$@"
+fi
 phase=${1:?phase: tests | loss | step | lstm | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | wait | evalparity}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
@@ -66,8 +75,11 @@ if [ -f /tmp/dali_parts/SHA256SUMS ] && [ ! -d /tmp/dali_site ]; then
 fi
 if [ -d /tmp/dali_site ]; then export PYTHONPATH=/tmp/dali_site:$PYTHONPATH; fi
 # espeak-ng from Debian packages (bench/espeak_debs.sh made .carry/debs)
-if [ -d .carry/debs ] && ! command -v espeak-ng >/dev/null; then
-  [ -d /tmp/esp ] || for f in .carry/debs/*.deb; do dpkg -x "$f" /tmp/esp; done
+# (unpacked once: later calls, which need not carry them, find them in /tmp/esp)
+if [ -d .carry/debs ] && [ ! -d /tmp/esp ] && ! command -v espeak-ng >/dev/null; then
+  for f in .carry/debs/*.deb; do dpkg -x "$f" /tmp/esp.partial; done && mv /tmp/esp.partial /tmp/esp
+fi
+if [ -d /tmp/esp ]; then
   lib=/tmp/esp/usr/lib/x86_64-linux-gnu
   export LD_LIBRARY_PATH=$lib:$lib/pulseaudio:/tmp/esp/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export ESPEAK_DATA_PATH=$lib/espeak-ng-data PATH=/tmp/esp/usr/bin:$PATH
@@ -78,7 +90,10 @@ runs=results/convergence
 
 case "$phase" in
   tests)
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    # TESTS: other pytest arguments (files, -k) than the whole suite
+    # shellcheck disable=SC2086
+    python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 ${TESTS:-tests} 2>&1 \
+      | tee "$OUT/gpu_tests.log" ;;
   loss)
     python3 bench/joint_loss.py --json "$OUT/joint_loss.json" 2>&1 | tee "$OUT/joint_loss.log" ;;
   step)
@@ -172,9 +187,12 @@ case "$phase" in
       du -sh "$corpus" "$corpus"/train "$corpus"/train-wav "$corpus"/dev-wav
       cat "$corpus/synthetic_corpus.json"; } | tee "$OUT/corpus.txt" ;;
   pipeline)
+    # BACKENDS, RESAMPLING, THREADS narrow it; PROFILE=1 prints the GPU stage's kernels
+    tag=${BACKENDS:-all}; tag=${tag// /_}
+    # shellcheck disable=SC2086
     python3 bench/data_pipeline.py --manifest "$corpus/sentences-train.jsonl" --dataset-dir "$corpus" \
-      --backends torch dali --resampling gpu cpu --threads 4 8 --json "$OUT/data_pipeline.json" \
-      2>&1 | tee "$OUT/data_pipeline.log" ;;
+      --backends ${BACKENDS:-torch dali} --resampling ${RESAMPLING:-gpu cpu} --threads ${THREADS:-4 8} \
+      ${PROFILE:+--profile} --json "$OUT/data_pipeline_$tag.json" 2>&1 | tee "$OUT/data_pipeline_$tag.log" ;;
   realstep)
     # the fast path's trainer for one epoch on the corpus's audio, then on synthetic batches of
     # the same utterances' lengths and transcripts (a lengths table written from the manifest)
@@ -209,16 +227,21 @@ for line in open(sys.argv[1]):
     cp /tmp/rnnt_multireal/metrics.jsonl "$OUT/multireal_metrics_$gpus.jsonl" ;;
   converge)
     # the runs named in RUNS (fast, plain) for each seed in SEEDS, detached so that later
-    # calls can wait for them; run i gets GPU (FIRST_GPU + i) mod (GPUs here) and an equal
-    # share of the cores for its loader workers. The plain path takes micro-batches of 96 with
-    # two accumulated (the same global batch) where a GPU has under 100 GiB: its lattice
-    # log-probabilities and their gradient needed about 75 GB at 192.
+    # calls can wait for them; run i gets GPU (FIRST_GPU + i) mod (GPUs here), that GPU's share
+    # of the cores (pinned, so that other phases can time on the remaining GPUs), and runs from
+    # a copy of this checkout that later calls' copies cannot change under it. The plain path
+    # takes micro-batches of 96 with two accumulated (the same global batch) where a GPU has
+    # under 100 GiB: its lattice log-probabilities and their gradient needed about 75 GB at 192.
     mkdir -p "$runs"
+    src=$(mktemp -d /tmp/rnnt_converge_src.XXXX)
+    cp -a rnnt train.py eval.py configs "$src"/
+    ln -s "$PWD/datasets" "$src/datasets" && ln -s "$PWD/results" "$src/results"
     mem_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1) / 1024 ))
+    share=$(( $(nproc) / gpus ))
+    workers=$(( share - 2 ))
+    [ "$workers" -gt 14 ] && workers=14
     names=()
     for seed in ${SEEDS:-1}; do for path in ${RUNS:-fast plain}; do names+=("${path}_s$seed"); done; done
-    workers=$(( $(nproc) / (${#names[@]} < gpus ? ${#names[@]} : gpus) - 2 ))
-    [ "$workers" -gt 14 ] && workers=14
     for i in "${!names[@]}"; do
       name=${names[$i]} path=${names[$i]%_s*} seed=${names[$i]##*_s}
       config=configs/convergence/sentences.yaml extra=()
@@ -226,11 +249,12 @@ for line in open(sys.argv[1]):
         config=configs/convergence/sentences_plain.yaml
         [ "$mem_gib" -lt 100 ] && extra=(--set training.batch_size=96 --set training.grad_accumulation=2)
       fi
-      gpu=$(( (${FIRST_GPU:-0} + i) % gpus ))
-      CUDA_VISIBLE_DEVICES=$gpu setsid nohup python3 train.py "$config" \
+      gpu=$(( (${FIRST_GPU:-0} + i) % gpus )) log=$PWD/$runs/$name.log
+      (cd "$src" && CUDA_VISIBLE_DEVICES=$gpu setsid nohup \
+        taskset -c "$(( gpu * share ))-$(( gpu * share + share - 1 ))" python3 train.py "$config" \
         --set training.seed="$seed" --set data.num_threads="$workers" "${extra[@]}" \
-        --set training.output_dir="$runs/$name" > "$runs/$name.log" 2>&1 < /dev/null &
-      echo "$name: pid $!, GPU $gpu, $workers workers ${extra[*]}"
+        --set training.output_dir="results/convergence/$name" > "$log" 2>&1 < /dev/null &
+       echo "$name: pid $!, GPU $gpu, cores $(( gpu * share ))-$(( gpu * share + share - 1 )), $workers workers ${extra[*]}")
     done ;;
   wait)
     # until every run of `converge` has ended, or this call's time is nearly up
