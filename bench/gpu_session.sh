@@ -250,7 +250,9 @@ for line in open(sys.argv[1]):
         [ "$mem_gib" -lt 100 ] && extra=(--set training.batch_size=96 --set training.grad_accumulation=2)
       fi
       gpu=$(( (${FIRST_GPU:-0} + i) % gpus )) log=$PWD/$runs/$name.log
-      (cd "$src" && CUDA_VISIBLE_DEVICES=$gpu setsid nohup \
+      # only the run itself in the background: a backgrounded `cd && run` list would keep a
+      # subshell holding this script's stdout (and a caller's pipe) open until the run ends
+      (cd "$src" || exit; CUDA_VISIBLE_DEVICES=$gpu setsid nohup \
         taskset -c "$(( gpu * share ))-$(( gpu * share + share - 1 ))" python3 train.py "$config" \
         --set training.seed="$seed" --set data.num_threads="$workers" "${extra[@]}" \
         --set training.output_dir="results/convergence/$name" > "$log" 2>&1 < /dev/null &
