@@ -168,10 +168,16 @@ class Trainer:
         self.skipped_total = torch.zeros((), dtype=torch.int64, device=ctx.device)
         self.skipped_in_a_row = torch.zeros((), dtype=torch.int64, device=ctx.device)
         peak, peak_source = peak_flops(ctx.device, cfg.training.peak_tflops)
-        self.window = ThroughputWindow(ctx.device, peak)
+        # the window counts every rank's utterances and FLOPs: so is the peak they are held to
+        self.window = ThroughputWindow(ctx.device, peak * ctx.world_size if peak else None)
+        per_rank = f" per process x {ctx.world_size}" if ctx.world_size > 1 else ""
         self.log.info(
             "MFU against "
-            + (f"{peak / 1e12:.1f} TFLOP/s ({peak_source})" if peak else f"nothing: {peak_source}")
+            + (
+                f"{peak / 1e12:.1f} TFLOP/s{per_rank} ({peak_source})"
+                if peak
+                else f"nothing: {peak_source}"
+            )
         )
         # CUDA events at the parts of each step, set by bench/train_step.py (None: no events)
         self.parts: StepParts | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ import torch
 
 from rnnt.checkpoint import CheckpointManager
 from rnnt.preemption import EXIT_PREEMPTED, PREEMPTED_MARKER
-from rnnt.run_log import read_metrics
+from rnnt.run_log import METRICS_FILE, read_metrics
 from tests.helpers import as_set_args, tiny_overrides, train_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,12 +139,27 @@ def test_ranks_train_to_the_weights_of_one_rank(corpus, tmp_path, launch):
     device, world = launch
     one, two = tmp_path / "one", tmp_path / "two"
     for nproc, out in ((1, one), (world, two)):
-        proc = run(train_command(nproc, *sets(corpus, out, 8 // nproc, *EXACT), device=device))
+        command = train_command(
+            nproc, *sets(corpus, out, 8 // nproc, *EXACT, "training.peak_tflops=1"), device=device
+        )
+        proc = run(command)
         assert "target NOT reached" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     steps_one, steps_two = train_losses(one), train_losses(two)
     assert sorted(steps_one) == sorted(steps_two) == list(range(1, 7))
     for step in steps_one:  # rank 0 logs its own share of the batch: close, not equal
         assert steps_two[step] == pytest.approx(steps_one[step], rel=0.5)
+    # The logged utt/s and MFU count every rank's utterances and FLOPs, so the MFU is against
+    # the peak of all ranks: per utterance, a step's MFU shrinks with the ranks (the FLOPs are
+    # rank 0's times the ranks, hence only close).
+    per_utt_one, per_utt_two = (
+        statistics.median(
+            r["mfu"] / r["utts_per_s"]
+            for r in read_metrics(out / METRICS_FILE)
+            if r["kind"] == "train"
+        )
+        for out in (one, two)
+    )
+    assert per_utt_two * world == pytest.approx(per_utt_one, rel=0.4)
     (model_one, ranks_one), (model_two, ranks_two) = final_state(one), final_state(two)
     pairs = [(model_two["model"][k], v, k) for k, v in model_one["model"].items()]
     pairs += [
