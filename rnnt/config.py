@@ -295,6 +295,8 @@ class TrainingConfig(_Section):
     init_loss_scale: float = 512.0
     seed: int | None = None  # None: drawn from os.urandom per run (MLPerf), logged and saved
     num_cg: int = 0  # CUDA graphs per network (0 = eager)
+    # the dev WER that ends the run (MLPerf: 0.058); 0 turns it off: every epoch runs and is
+    # evaluated, and finishing them is the run's success (its MLPerf run_stop says aborted)
     target_wer: float = 0.058
     output_dir: str = "results"
     log_frequency: int = 10
@@ -321,7 +323,7 @@ class TrainingConfig(_Section):
         self.at_least(1, "batch_size", "grad_accumulation", "epochs", "log_frequency")
         self.at_least(1, "keep_last_checkpoints", "max_consecutive_nonfinite")
         self.at_least(0, "num_cg", "save_every_epochs", "checkpoint_every_steps")
-        self.at_least(0, "torch_threads", "peak_tflops")
+        self.at_least(0, "torch_threads", "peak_tflops", "target_wer")
         for name in ("init_loss_scale", "collective_timeout_s"):
             value = getattr(self, name)
             self.require(value > 0, name, f"must be positive, got {value}")

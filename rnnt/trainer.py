@@ -508,7 +508,8 @@ class Trainer:
                     seconds=result.seconds,
                 )
                 self.progress.best_wer = min(self.progress.best_wer, result.wer)
-                reached = result.wer <= cfg.training.target_wer
+                target = cfg.training.target_wer
+                reached = target > 0 and result.wer <= target
                 self.progress.epoch += 1
                 if reached:
                     break

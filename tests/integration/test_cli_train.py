@@ -243,6 +243,29 @@ def test_skip_bad_trains_on_the_rest_and_counts(
     assert last["step"] == 6 and last["dropped_utterances"] == 1
 
 
+def test_a_run_without_target_runs_every_epoch_and_exits_0(capsys, tiny_sets, tmp_path, corpus):
+    """training.target_wer: 0 is no target: both epochs are evaluated, the exit status says the
+    run finished (torchrun reports any other as a failed child), the MLPerf run_stop says it
+    did not reach a target."""
+    dev = tmp_path / "dev.jsonl"  # two utterances: the WER's value is not what is tested
+    dev.write_text("".join((corpus["root"] / "dev.jsonl").read_text().splitlines(True)[:2]))
+    out = tmp_path / "out"
+    sets = tiny_sets(
+        out, f"data.val_manifests=[{dev}]", "training.epochs=2", "training.target_wer=0"
+    )
+    status = main([str(TINY), *sets])
+    assert status == 0
+    assert "no target (training.target_wer: 0), every epoch run" in capsys.readouterr().out
+    evals = [r["epoch"] for r in read_metrics(out / METRICS_FILE) if r["kind"] == "eval"]
+    assert evals == [1, 2]
+    stops = [
+        json.loads(line.split(":::MLLOG", 1)[1])
+        for line in (out / "mlperf.log").open()
+        if '"run_stop"' in line
+    ]
+    assert [s["metadata"]["status"] for s in stops] == ["aborted"]
+
+
 def test_runs_never_mix_in_one_output_dir(capsys, tiny_sets, tmp_path, corpus):
     out = tmp_path / "out"
     (out / "checkpoints" / "ckpt_e3_s30").mkdir(parents=True)  # an earlier run's
