@@ -2,7 +2,8 @@
 
 Both are `rnnt.data.features.resample` on one padded batch of noise at a LibriSpeech-like
 width (default 192 x 16.7 s at 16 kHz) and the training speed range, timed with CUDA events;
-prints the median of the repeats and the largest difference.
+prints the median of the repeats and the largest difference. Then the kernel at each launch
+shape (output samples per program x warps), the default marked.
 
     python bench/resample.py [--batch 192] [--seconds 16.7] [--repeats 10]
 """
@@ -10,12 +11,14 @@ prints the median of the repeats and the largest difference.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 
 import torch
 
 from rnnt.config import FeaturesConfig
-from rnnt.data.features import draw_speeds, resample
+from rnnt.data.features import RESAMPLE_LOBES, draw_speeds, resample
+from rnnt.kernels import resample as kernel_module
 
 
 def time_ms(fn, repeats: int) -> float:
@@ -57,6 +60,29 @@ def main() -> None:
         f"{kernel:.2f} ms, reference {reference:.2f} ms ({reference / kernel:.1f}x); "
         f"max |difference| {(got - ref).abs().max().item():.2e}"
     )
+    half = math.ceil(RESAMPLE_LOBES / ratio_range[0])
+    out_lens = torch.ceil(lengths.double() * ratio.cuda()).long()
+    default = (kernel_module.BLOCK, kernel_module.NUM_WARPS)
+    for block in (128, 256, 512):
+        for warps in (2, 4, 8):
+            if block < 32 * warps:
+                continue
+            ms = time_ms(
+                lambda block=block, warps=warps: kernel_module.resample_cuda(
+                    wave,
+                    lengths,
+                    out_lens,
+                    ratio.cuda(),
+                    got.shape[1],
+                    half,
+                    RESAMPLE_LOBES,
+                    block=block,
+                    num_warps=warps,
+                ),
+                args.repeats,
+            )
+            mark = " (default)" if (block, warps) == default else ""
+            print(f"  {block:4d} samples x {warps} warps: {ms:7.2f} ms{mark}")
 
 
 if __name__ == "__main__":

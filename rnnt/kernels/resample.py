@@ -1,21 +1,32 @@
 """Triton windowed-sinc resampling of a padded waveform batch, one ratio per utterance.
 
 The maths is `rnnt.data.features.resample` (the reference, which this must equal): output
-sample n of row b reads input position src = (n + 0.5) / ratio_b - 0.5 and sums the taps
-floor(src) + t, t in (-half, half], weighted by a Hann-windowed sinc low-passed at
-min(ratio_b, 1). The reference builds a (B, N, taps) gather in float64; here each program
-computes a block of output samples of one row in registers. The input position is formed in
-float64 (at 300,000 samples float32 would misplace it by up to 0.02 samples); the weights
-need only its fractional part, in float32.
+sample n of row b reads input position src = (n + 0.5) / ratio_b - 0.5 and sums the input
+samples near it, each weighted by a Hann-windowed sinc low-passed at c = min(ratio_b, 1):
+w(x) = c sinc(c x) (1 + cos(pi c x / LOBES)) / 2 for |c x| < LOBES, x = src - index. The
+reference builds a (B, N, taps) gather in float64; here each program computes a block of
+output samples of one row in registers.
+
+Only what needs it is float64: the input position (at 300,000 samples float32 would misplace
+it by up to 0.02 samples) and the sine and cosine of its offset from the nearest sample. The
+taps are float32: with src = m + f (m the nearest sample, |f| <= 1/2) and x = f - t for tap
+m + t, sin(pi c x) = sin(pi c f) cos(pi c t) - cos(pi c f) sin(pi c t), whose terms in t are
+per-row tables. Only t = 0 brings x near 0, where sinc divides by it: that tap is
+sin(pi c f) / (pi c f) itself, while every other tap has |x| >= 1/2, so the difference of
+products keeps float32's absolute accuracy where it matters. The envelope's cosine comes from
+the same identity.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK = 512
+BLOCK = 256
+NUM_WARPS = 8
 
 
 # The widths change with every batch; specialised (Triton's default: a variant for multiples
@@ -27,6 +38,7 @@ def _resample_kernel(
     lengths_ptr,  # (B,) int64: valid input samples per row
     out_lengths_ptr,  # (B,) int64: valid output samples per row
     ratio_ptr,  # (B,) float64: output rate / input rate
+    table_ptr,  # (B, 2 HALF + 1, 4) float32: cos, sin of pi c t and of pi c t / LOBES
     out_ptr,  # (B, out_width) float32
     width,
     out_width,
@@ -41,37 +53,50 @@ def _resample_kernel(
     out_length = tl.load(out_lengths_ptr + row)
     cutoff = tl.minimum(ratio, 1.0)
     src = (n.to(tl.float64) + 0.5) / ratio - 0.5
-    base = tl.floor(src)
-    frac = src - base
-    first = base.to(tl.int64) - HALF + 1
+    nearest = tl.floor(src + 0.5)
+    f = src - nearest  # in [-1/2, 1/2]
+    angle = 3.141592653589793 * cutoff * f
+    sin_f = tl.sin(angle).to(tl.float32)
+    cos_f = tl.cos(angle).to(tl.float32)
+    sin_fe = tl.sin(angle / LOBES).to(tl.float32)
+    cos_fe = tl.cos(angle / LOBES).to(tl.float32)
+    # the centre tap's sinc, sin(a) / a, from float64 (exactly 1 where a underflows)
+    tiny = tl.abs(angle) < 1e-12
+    centre_sinc = tl.where(tiny, 1.0, tl.sin(angle) / tl.where(tiny, 1.0, angle)).to(tl.float32)
+    f32 = f.to(tl.float32)
+    c32 = cutoff.to(tl.float32)
+    pi_c = 3.141592653589793 * c32
+    first = nearest.to(tl.int64) - HALF
     valid = n < out_length
-    # The taps' angles pi * cutoff * (frac - t) step by -pi * cutoff from tap to tap: their sines
-    # and cosines (and the Hann envelope's, at 1/LOBES of the angle) come from one sin/cos per
-    # output sample and a rotation per tap (a few multiply-adds instead of two transcendental
-    # calls), in float64 so that 2 x HALF rotations stay exact to float32.
-    step = 3.141592653589793 * cutoff
-    angle = step * (frac + HALF - 1)
-    sin_a, cos_a = tl.sin(angle), tl.cos(angle)
-    sin_e, cos_e = tl.sin(angle / LOBES), tl.cos(angle / LOBES)
-    sin_s, cos_s = tl.sin(step), tl.cos(step)
-    sin_se, cos_se = tl.sin(step / LOBES), tl.cos(step / LOBES)
+    row_table = table_ptr + row * (2 * HALF + 1) * 4
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in tl.static_range(0, 2 * HALF):
+    for k in tl.static_range(0, 2 * HALF + 1):
+        t = k - HALF
+        cos_t = tl.load(row_table + 4 * k)
+        sin_t = tl.load(row_table + 4 * k + 1)
+        cos_te = tl.load(row_table + 4 * k + 2)
+        sin_te = tl.load(row_table + 4 * k + 3)
+        x = f32 - t
+        if t == 0:
+            sinc = centre_sinc
+        else:
+            sinc = (sin_f * cos_t - cos_f * sin_t) / (pi_c * x)
+        envelope = 0.5 * (1.0 + cos_fe * cos_te + sin_fe * sin_te)
+        weight = tl.where(tl.abs(c32 * x) < LOBES, sinc * envelope, 0.0) * c32
         idx = first + k
-        # near zero the rotated sine keeps its absolute, not its relative, accuracy
-        near_zero = tl.abs(angle) < 1e-6
-        safe = tl.where(near_zero, 1.0, angle).to(tl.float32)
-        sinc = tl.where(near_zero, 1.0, sin_a.to(tl.float32) / safe)
-        envelope = 0.5 * (1.0 + cos_e.to(tl.float32))
-        inside_window = tl.abs(angle) < 3.141592653589793 * LOBES
-        weight = tl.where(inside_window, sinc * envelope, 0.0) * cutoff.to(tl.float32)
         inside = valid & (idx >= 0) & (idx < length)
-        x = tl.load(wave_ptr + row * width + idx, mask=inside, other=0.0)
-        acc += x * weight
-        angle = angle - step
-        sin_a, cos_a = sin_a * cos_s - cos_a * sin_s, cos_a * cos_s + sin_a * sin_s
-        sin_e, cos_e = sin_e * cos_se - cos_e * sin_se, cos_e * cos_se + sin_e * sin_se
+        acc += tl.load(wave_ptr + row * width + idx, mask=inside, other=0.0) * weight
     tl.store(out_ptr + row * out_width + n, tl.where(valid, acc, 0.0), mask=n < out_width)
+
+
+def tap_table(ratio: torch.Tensor, half: int, lobes: int) -> torch.Tensor:
+    """(B, 2 half + 1, 4) float32: cos and sin of pi c t and of pi c t / lobes for the taps
+    t = -half..half, c = min(ratio, 1), computed in float64."""
+    cutoff = ratio.to(torch.float64).clamp(max=1.0)
+    t = torch.arange(-half, half + 1, device=ratio.device, dtype=torch.float64)
+    angle = math.pi * cutoff[:, None] * t[None]
+    parts = (angle.cos(), angle.sin(), (angle / lobes).cos(), (angle / lobes).sin())
+    return torch.stack(parts, dim=-1).to(torch.float32).contiguous()
 
 
 def resample_cuda(
@@ -82,22 +107,29 @@ def resample_cuda(
     out_width: int,
     half: int,
     lobes: int,
+    block: int = BLOCK,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
-    """wave (B, S) float32 on a GPU -> (B, out_width) float32, zero past out_lengths."""
+    """wave (B, S) float32 on a GPU -> (B, out_width) float32, zero past out_lengths.
+
+    Every input sample within `half` of an output's nearest input sample is a tap (those
+    beyond the window weigh 0); `block` output samples per program on `num_warps` warps."""
     wave = wave.contiguous()
     batch, width = wave.shape
     out = torch.empty(batch, out_width, dtype=torch.float32, device=wave.device)
-    grid = (batch, triton.cdiv(out_width, BLOCK))
+    grid = (batch, triton.cdiv(out_width, block))
     _resample_kernel[grid](
         wave,
         lengths.contiguous(),
         out_lengths.contiguous(),
         ratio.contiguous(),
+        tap_table(ratio, half, lobes),
         out,
         width,
         out_width,
         HALF=half,
         LOBES=lobes,
-        BLOCK=BLOCK,
+        BLOCK=block,
+        num_warps=num_warps,
     )
     return out
