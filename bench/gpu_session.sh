@@ -24,7 +24,9 @@
 # Real audio (the convergence check of docs/CONVERGENCE.md), on one warm machine, in order:
 #   bash bench/gpu_session.sh corpus      # espeak-ng from .carry/debs; the sentences corpus
 #   bash bench/gpu_session.sh pipeline    # bench/data_pipeline.py on it, every backend here
-#   bash bench/gpu_session.sh multireal   # train.py on its audio on every GPU here (NCCL)
+#   bash bench/gpu_session.sh multireal   # train.py on its audio on every GPU here (NCCL);
+#                                         # PER_GPU=48 EPOCHS=30 TARGET=0.058 on 4 GPUs: the
+#                                         # convergence run's schedule, to the target
 #   bash bench/gpu_session.sh realstep    # the trainer's step on its audio vs synthetic batches
 #                                         # (BACKEND=torch|dali, RESAMPLING=gpu|cpu)
 #   bash bench/gpu_session.sh converge    # the runs of configs/convergence/, in the background
@@ -220,14 +222,19 @@ for line in open(sys.argv[1]):
     python3 scripts/plot_metrics.py "$OUT/realstep_real_metrics.jsonl" \
       "$OUT/realstep_synthetic_metrics.jsonl" --labels real synthetic --summary-only ;;
   multireal)
-    # real audio on every GPU here under NCCL: the corpus's fast-path config at 192 per GPU for
-    # EPOCHS epochs (38 steps each on 4 GPUs), evaluated after each, with BACKEND's loader
+    # real audio on every GPU here under NCCL: the corpus's fast-path config for EPOCHS epochs,
+    # evaluated after each, with BACKEND's loader. PER_GPU utterances per GPU (192: the global
+    # batch grows with the GPUs; 192 / GPUs: the convergence run's global batch and schedule,
+    # which with TARGET=0.058 trains to the MLPerf target); then the compliance checker.
     torchrun --standalone --nproc_per_node "$gpus" train.py configs/convergence/sentences.yaml \
       --overwrite --set system.gpus_per_node="$gpus" --set data.backend="${BACKEND:-torch}" \
-      --set training.epochs="${EPOCHS:-2}" \
-      --set training.target_wer=0 --set training.output_dir=/tmp/rnnt_multireal 2>&1 \
+      --set training.batch_size="${PER_GPU:-192}" --set training.epochs="${EPOCHS:-2}" \
+      --set training.target_wer="${TARGET:-0}" --set training.output_dir=/tmp/rnnt_multireal 2>&1 \
       | tee "$OUT/multireal_$gpus.log" | grep -Ev "Warning|warn"
-    cp /tmp/rnnt_multireal/metrics.jsonl "$OUT/multireal_metrics_$gpus.jsonl" ;;
+    cp /tmp/rnnt_multireal/metrics.jsonl "$OUT/multireal_metrics_$gpus.jsonl"
+    cp /tmp/rnnt_multireal/mlperf.log "$OUT/multireal_mlperf_$gpus.log"
+    python3 -m mlperf_logging.compliance_checker --usage training --ruleset 3.1.0 \
+      /tmp/rnnt_multireal/mlperf.log 2>&1 | tail -3 | tee "$OUT/multireal_compliance_$gpus.txt" ;;
   converge)
     # the runs named in RUNS (fast, plain) for each seed in SEEDS, detached so that later
     # calls can wait for them; run i gets GPU (FIRST_GPU + i) mod (GPUs here), that GPU's share
