@@ -30,24 +30,6 @@ from rnnt.model import Joint
 _NEG = -1e30
 
 
-def skew(x: torch.Tensor, lens_t: torch.Tensor, lens_u: torch.Tensor) -> torch.Tensor:
-    """Lattice values by anti-diagonal: x (B, T, U1) -> (B, T + U1 - 1, U1), out[b, n, u] =
-    x[b, n - u, u] where 0 <= n - u < lens_t[b] and u < lens_u[b], else _NEG."""
-    b, t, u1 = x.shape
-    n_diag = t + u1 - 1
-    n = torch.arange(n_diag, device=x.device).unsqueeze(1)
-    u = torch.arange(u1, device=x.device).unsqueeze(0)
-    tt = n - u  # (N, U1)
-    inside = (tt >= 0) & (tt < t)
-    out = x[:, tt.clamp(0, t - 1), u.expand_as(tt)]
-    valid = (
-        inside.unsqueeze(0)
-        & (tt.unsqueeze(0) < lens_t.view(b, 1, 1))
-        & (u.unsqueeze(0) < lens_u.view(b, 1, 1))
-    )
-    return torch.where(valid, out, torch.full_like(out, _NEG))
-
-
 def lattice_log_likelihood(
     lp_blank: torch.Tensor,
     lp_label: torch.Tensor,
@@ -61,16 +43,35 @@ def lattice_log_likelihood(
     is never read. Returns (B,) in the inputs' dtype, differentiable in lp_blank and lp_label
     (computed in float64 inside).
 
-    The forward variable alpha is advanced one anti-diagonal n = t + u at a time, vectorised
-    over the batch and the diagonal: alpha_n[u] = logaddexp(alpha_{n-1}[u] + blank(n-1-u, u),
-    alpha_{n-1}[u-1] + label(n-u, u-1)). The gradient comes from the backward variable beta,
-    walked the same way from each utterance's end (Graves 2012, eq. 16): the occupancy of a
+    The forward variable alpha is advanced one frame t at a time, vectorised over the batch
+    and the labels. Within a frame only label moves happen, so with C[t, u] the sum of the
+    frame's label log-probs before u, alpha[t, u] = C[t, u] + logcumsumexp_k<=u(alpha[t-1, k] +
+    blank[t-1, k] - C[t, k]): a frame is four tensor ops, not one op per lattice cell or per
+    anti-diagonal. The gradient comes from the backward variable beta, walked the same way from
+    each utterance's last frame with suffix sums (Graves 2012, eq. 16): the occupancy of a
     transition is exp(alpha + its log-prob + beta of where it leads - log P). Autograd through
-    the walk would keep a graph node per diagonal, each of whose backward fills a tensor of the
-    whole lattice. Cells outside each utterance's T_b x (U_b+1) lattice hold _NEG, so padding
-    (whatever its values) gets exactly zero gradient.
+    the walk would keep a graph node per frame, each of whose backward fills a tensor of the
+    whole lattice. Cells outside each utterance's T_b x (U_b+1) lattice get exactly zero
+    gradient, whatever the padding holds.
     """
     return _LatticeWalk.apply(lp_blank, lp_label, logit_lens, target_lens)
+
+
+def _lattice_masks(
+    b: int, t: int, u1: int, logit_lens: torch.Tensor, target_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, T, U+1) masks: blank moves inside each lattice (t < T_b, u <= U_b), label moves
+    inside it (t < T_b, u < U_b), and each lattice's final blank (T_b - 1, U_b)."""
+    device = logit_lens.device
+    rows = torch.arange(t, device=device).view(1, t, 1)
+    cols = torch.arange(u1, device=device).view(1, 1, u1)
+    frames = logit_lens.view(b, 1, 1)
+    labels = target_lens.view(b, 1, 1)
+    in_rows = rows < frames
+    blank_ok = in_rows & (cols <= labels)
+    label_ok = in_rows & (cols < labels)
+    final = (rows == frames - 1) & (cols == labels)
+    return blank_ok, label_ok, final
 
 
 class _LatticeWalk(torch.autograd.Function):
@@ -79,65 +80,65 @@ class _LatticeWalk(torch.autograd.Function):
         b, t, u1 = lp_blank.shape
         logit_lens = logit_lens.to(lp_blank.device).long()
         target_lens = target_lens.to(lp_blank.device).long()
+        blank_ok, label_ok, final = _lattice_masks(b, t, u1, logit_lens, target_lens)
         # The walk runs in float64: alpha and beta each carry the rounding of hundreds of
-        # logaddexps, and an occupancy exp(alpha + beta - log P) of float32 ones was off by
-        # 3e-4 (autograd's chain of float32 softmax weights: 6e-5); the (B, N, U+1) arrays are
-        # small beside the joint's logits.
-        blank_d = skew(lp_blank.double(), logit_lens, target_lens + 1)  # (B, N, U+1)
-        label_d = skew(lp_label.double(), logit_lens, target_lens)  # label U_b is never emitted
-        n_diag = blank_d.shape[1]
-        u = torch.arange(u1, device=lp_blank.device)
-        # cells with t = n - u outside [0, T) have no value and stay at _NEG; one mask for all
-        # diagonals, built before the loop, whose launches are most of a GPU's time here
-        t_of_cell = torch.arange(n_diag, device=lp_blank.device).unsqueeze(1) - u
-        on_grid = (t_of_cell >= 0) & (t_of_cell < t)  # (N, U+1)
-        alpha_all = torch.empty_like(blank_d)
-        alpha = torch.where(u == 0, 0.0, _NEG).double().expand(b, u1)
-        alpha_all[:, 0] = alpha
-        for n in range(1, n_diag):
-            stay = alpha + blank_d[:, n - 1]
-            emit = torch.nn.functional.pad((alpha + label_d[:, n - 1])[:, :-1], (1, 0), value=_NEG)
-            alpha = torch.where(on_grid[n], torch.logaddexp(stay, emit), _NEG)
-            alpha_all[:, n] = alpha
-        rows = torch.arange(b, device=lp_blank.device)
-        last_n = logit_lens - 1 + target_lens
-        last_blank = blank_d[rows, last_n, target_lens]
-        ll = alpha_all[rows, last_n, target_lens] + last_blank
-        ctx.save_for_backward(blank_d, label_d, alpha_all, ll, on_grid, last_n, target_lens)
-        ctx.t, ctx.dtype = t, lp_blank.dtype
+        # log-sums, and an occupancy exp(alpha + beta - log P) of float32 ones was off by 3e-4
+        # (autograd's chain of float32 softmax weights: 6e-5). Moves outside the lattices are
+        # impossible (_NEG) for blanks and free (0) for labels: a label's log-prob only enters
+        # through the running sums C, which must stay finite, and no path inside a lattice
+        # reads a cell outside it in the forward direction.
+        blank = torch.where(blank_ok, lp_blank.double(), _NEG)
+        label = torch.where(label_ok, lp_label.double(), 0.0)
+        sums = torch.nn.functional.pad(label.cumsum(2)[:, :, :-1], (1, 0))  # C: (B, T, U+1)
+        # alpha[t] = C[t] + logcumsumexp(alpha[t-1] + (blank[t-1] - C[t])); the bracket, and
+        # alpha's first frame (start at u = 0), for all frames at once
+        step_in = torch.cat([torch.zeros_like(blank[:, :1]), blank[:, :-1]], 1) - sums
+        start = torch.full((b, u1), _NEG, dtype=blank.dtype, device=blank.device)
+        start[:, 0] = 0.0
+        alpha = torch.empty_like(blank)
+        previous = start
+        for frame in range(t):
+            scan = torch.logcumsumexp(previous + step_in[:, frame], dim=1)
+            previous = torch.add(scan, sums[:, frame], out=alpha[:, frame])
+        rows = torch.arange(b, device=blank.device)
+        last = logit_lens - 1
+        ll = alpha[rows, last, target_lens] + blank[rows, last, target_lens]
+        ctx.save_for_backward(blank, label, sums, alpha, ll, blank_ok, label_ok, final)
+        ctx.dtype = lp_blank.dtype
         return ll.to(lp_blank.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_ll):
-        blank_d, label_d, alpha_all, ll, on_grid, last_n, target_lens = ctx.saved_tensors
-        b, n_diag, u1 = blank_d.shape
-        device = blank_d.device
-        u = torch.arange(u1, device=device)
-        # The final blank leads from (T_b - 1, U_b) to a virtual cell one diagonal past the
-        # utterance's last, where beta is log 1: it stands in the "next" vector of diagonal
-        # last_n at column U_b.
-        diag = torch.arange(n_diag, device=device)
-        ends = (diag.view(1, -1, 1) == last_n.view(-1, 1, 1)) & (u == target_lens.view(-1, 1, 1))
-        beyond = torch.full((b, u1), _NEG, dtype=blank_d.dtype, device=device)
-        beta_next = torch.empty_like(blank_d)  # beta of diagonal n + 1, as diagonal n sees it
-        for n in range(n_diag - 1, -1, -1):
-            nxt = torch.where(ends[:, n], 0.0, beyond)
-            beta_next[:, n] = nxt
-            stay = blank_d[:, n] + nxt
-            emit = label_d[:, n] + torch.nn.functional.pad(nxt[:, 1:], (0, 1), value=_NEG)
-            beyond = torch.where(on_grid[n], torch.logaddexp(stay, emit), _NEG)
+        blank, label, sums, alpha, ll, blank_ok, label_ok, final = ctx.saved_tensors
+        b, t, u1 = blank.shape
+        # beta[t, u] = -C[t, u] + log sum_{k >= u} exp(down[t, k] + C[t, k]), where down is
+        # the blank out of (t, k) and then beta[t+1, k], or the final blank alone on each
+        # lattice's last frame. The suffix sums run as prefix sums over reversed columns.
+        flip = (2,)
+        blank_r, sums_r, final_r = blank.flip(flip), sums.flip(flip), final.flip(flip)
+        # down + C for the last frame of each lattice; other frames add beta[t+1] to blank + C
+        last_r = torch.where(final_r, blank_r + sums_r, _NEG)
+        on_last_row = final_r.any(2)  # (B, T)
+        blank_sums_r = blank_r + sums_r
+        beta_r = torch.empty_like(blank)
+        following = torch.full((b, u1), _NEG, dtype=blank.dtype, device=blank.device)
+        for frame in range(t - 1, -1, -1):
+            down = torch.where(
+                on_last_row[:, frame, None], last_r[:, frame], following + blank_sums_r[:, frame]
+            )
+            scan = torch.logcumsumexp(down, dim=1)
+            following = torch.sub(scan, sums_r[:, frame], out=beta_r[:, frame])
+        beta = beta_r.flip(flip)
         scale = grad_ll.double().view(b, 1, 1)
-        base = alpha_all - ll.view(b, 1, 1)
-        grad_blank_d = torch.exp(base + blank_d + beta_next) * scale
-        next_label = torch.nn.functional.pad(beta_next[:, :, 1:], (0, 1), value=_NEG)
-        grad_label_d = torch.exp(base + label_d + next_label) * scale
-        # back from diagonals to the (T, U+1) grid: cell (t, u) sits on diagonal t + u
-        t_idx = torch.arange(ctx.t, device=device).unsqueeze(1)
-        cell_diag = t_idx + u
-        u_grid = u.expand_as(cell_diag)
-        grad_blank = grad_blank_d[:, cell_diag, u_grid].to(ctx.dtype)
-        grad_label = grad_label_d[:, cell_diag, u_grid].to(ctx.dtype)
-        return grad_blank, grad_label, None, None
+        base = alpha - ll.view(b, 1, 1)
+        # the blank out of (t, u) leads to beta[t+1, u]; out of the final cell, to the end (0)
+        below = torch.nn.functional.pad(beta[:, 1:], (0, 0, 0, 1), value=_NEG)
+        below = torch.where(final, 0.0, below)
+        grad_blank = torch.where(blank_ok, torch.exp(base + blank + below) * scale, 0.0)
+        right = torch.nn.functional.pad(beta[:, :, 1:], (0, 1), value=_NEG)
+        grad_label = torch.where(label_ok, torch.exp(base + label + right) * scale, 0.0)
+        return grad_blank.to(ctx.dtype), grad_label.to(ctx.dtype), None, None
 
 
 def rnnt_loss_reference(
