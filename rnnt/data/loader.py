@@ -60,6 +60,10 @@ log = logging.getLogger(__name__)
 EVAL_SEED = 0
 
 
+# CUDA maps a priority past the device's range to its highest one
+HIGHEST_STREAM_PRIORITY = -100
+
+
 def dali_available() -> bool:
     from rnnt.data import dali
 
@@ -277,7 +281,11 @@ class TorchFeatureLoader:
         if self.on_device:
             self.extractor = FeatureExtractor(cfg.features, train, perturb_on_device).to(device)
             if device.type == "cuda":
-                self.stream = torch.cuda.Stream(device)
+                # The highest priority: the stage's kernels are queued while the previous
+                # training step still fills the GPU, and the host waits for them (the lengths'
+                # copy) before it can queue the next step. At the default priority they ran
+                # after most of that step, so each step waited for the last one and the stage.
+                self.stream = torch.cuda.Stream(device, priority=HIGHEST_STREAM_PRIORITY)
         else:
             worker_extractor = FeatureExtractor(cfg.features, train, speed_perturb=False)
         dataset = AudioDataset(

@@ -267,12 +267,16 @@ def test_every_backend_hands_over_host_lengths(corpus, backend, stage, device):
 
 @pytest.mark.gpu
 def test_gpu_feature_stage_on_its_side_stream_matches_the_cpu_stage(corpus):
-    """The batched feature stage runs on a side stream of the GPU; what the consumer reads on
-    its own stream equals the same stage computed on the CPU."""
+    """The batched feature stage runs on a side stream of the GPU at the highest priority; what
+    the consumer reads on its own stream equals the same stage computed on the CPU."""
     utts, _, root = corpus
     cfg = _cfg(device="gpu")
     cfg.features.dither = 0.0  # the one draw that differs between CPU and CUDA generators
-    on_gpu = _batches(build_loader(cfg, utts, root, train=False, device="cuda"))
+    gpu_loader = build_loader(cfg, utts, root, train=False, device="cuda")
+    # ahead of the training step's kernels, whose end the host would otherwise wait for
+    stream = gpu_loader.stream  # evaluation: the torch backend itself
+    assert stream.priority == stream.priority_range()[1]  # (least, greatest)
+    on_gpu = _batches(gpu_loader)
     on_cpu = _batches(build_loader(cfg, utts, root, train=False, device="cpu"))
     assert len(on_gpu) == len(on_cpu)
     for g, c in zip(on_gpu, on_cpu, strict=True):
