@@ -30,6 +30,8 @@ class EvalResult:
     words: int
     utterances: int
     seconds: float
+    # of `seconds`, this rank's wait for its loader's batches (worker start, reads, features)
+    data_seconds: float = 0.0
     # this rank's hypotheses (utt_id, hypothesis, reference), in loader order
     rows: list[tuple[str, str, str]] = field(default_factory=list)
 
@@ -53,7 +55,14 @@ def evaluate(
     start = time.perf_counter()
     rows: list[tuple[str, str, str]] = []
     errors = words = 0
-    for batch in loader:
+    data_seconds = 0.0
+    batches = iter(loader)
+    while True:
+        asked = time.perf_counter()
+        batch = next(batches, None)
+        data_seconds += time.perf_counter() - asked
+        if batch is None:
+            break
         batch = transform(batch.to(ctx.device))
         tokens = decoder(batch.feats, batch.feat_lens)
         for utt_id, hyp_ids, ref in zip(batch.utt_ids, tokens, batch.transcripts):
@@ -68,7 +77,7 @@ def evaluate(
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     seconds = time.perf_counter() - start
-    return EvalResult(errors / max(words, 1), errors, words, count, seconds, rows)
+    return EvalResult(errors / max(words, 1), errors, words, count, seconds, data_seconds, rows)
 
 
 def build_decoder(cfg: Config, model: RNNT) -> GreedyDecoder:

@@ -166,13 +166,22 @@ class RunLog:
         )
         self._record("train", {k: v for k, v in fields.items() if v is not None})
 
-    def eval(self, epoch: int, step: int, wer: float, utterances: int, seconds: float) -> None:
-        """One dev evaluation: WER (a fraction) over `utterances`, taking `seconds`."""
+    def eval(
+        self,
+        epoch: int,
+        step: int,
+        wer: float,
+        utterances: int,
+        seconds: float,
+        data_seconds: float = 0.0,
+    ) -> None:
+        """One dev evaluation: WER (a fraction) over `utterances`, taking `seconds`, of which
+        `data_seconds` waiting for the loader (rank 0's)."""
         if not self.is_main:
             return
         self._print(
             f"epoch {epoch} step {step} | dev WER {100 * wer:.3f}% | {utterances} utterances "
-            f"in {seconds:.2f} s"
+            f"in {seconds:.2f} s (waiting for data {data_seconds:.2f} s)"
         )
         self._record(
             "eval",
@@ -182,6 +191,7 @@ class RunLog:
                 wer=float(wer),
                 utterances=int(utterances),
                 seconds=float(seconds),
+                data_seconds=float(data_seconds),
             ),
         )
 

@@ -506,6 +506,7 @@ class Trainer:
                     wer=result.wer,
                     utterances=result.utterances,
                     seconds=result.seconds,
+                    data_seconds=result.data_seconds,
                 )
                 self.progress.best_wer = min(self.progress.best_wer, result.wer)
                 target = cfg.training.target_wer

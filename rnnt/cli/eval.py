@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"utterances: {result.utterances}  words: {result.words}  errors: {result.errors}")
         print(
             f"throughput: {result.utterances_per_second:.1f} utterances/s "
-            f"({result.seconds:.2f} s, mode {cfg.eval.mode})"
+            f"({result.seconds:.2f} s, {result.data_seconds:.2f} s of it waiting for data, "
+            f"mode {cfg.eval.mode})"
         )
         print(f"hypotheses: {output}")
         print(f"WER: {result.wer:.6f}")

@@ -40,8 +40,13 @@ def test_a_checkpoint_scores(capsys, checkpoint):
     sets, path = checkpoint
     status = main([str(TINY), str(path), "--device", "cpu", *sets])
     assert status == 0
-    assert "WER: " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "WER: " in out
     assert len(path.with_suffix(".hyps.jsonl").read_text().splitlines()) == 12
+    # the dev set's time, and the part of it spent waiting for the loader's batches
+    (line,) = [x for x in out.splitlines() if x.startswith("throughput:")]
+    total, waiting = re.search(r"\(([\d.]+) s, ([\d.]+) s of it waiting for data", line).groups()
+    assert 0 < float(waiting) <= float(total)
 
 
 def test_missing_checkpoint(capsys, checkpoint, tmp_path):

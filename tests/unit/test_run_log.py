@@ -50,7 +50,7 @@ def test_step_and_eval_lines_and_records(tmp_path, capsys):
             skipped_steps=2,
             window=window(mfu=None, peak_memory_gib=None),
         )
-        log.eval(epoch=1, step=10, wer=0.2843, utterances=2703, seconds=1.93)
+        log.eval(epoch=1, step=10, wer=0.2843, utterances=2703, seconds=1.93, data_seconds=0.41)
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("] starting")
     assert out[1].endswith(
@@ -61,7 +61,9 @@ def test_step_and_eval_lines_and_records(tmp_path, capsys):
         "] epoch 1 step 12 | loss 50.0000 | lr 3.100e-03 | 1520.4 utt/s (126.2 ms/step) | "
         "data wait 1.0% | loss scale 512 | skipped steps 2"
     )
-    assert out[3].endswith("] epoch 1 step 10 | dev WER 28.430% | 2703 utterances in 1.93 s")
+    assert out[3].endswith(
+        "] epoch 1 step 10 | dev WER 28.430% | 2703 utterances in 1.93 s (waiting for data 0.41 s)"
+    )
     lines = (tmp_path / METRICS_FILE).read_text().splitlines()
     train, cpu_train, ev = (strict_json(line) for line in lines)
     assert train.pop("time") > 0 and ev.pop("time") > 0
@@ -88,6 +90,7 @@ def test_step_and_eval_lines_and_records(tmp_path, capsys):
         "wer": 0.2843,
         "utterances": 2703,
         "seconds": 1.93,
+        "data_seconds": 0.41,
     }
 
 
