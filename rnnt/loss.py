@@ -46,13 +46,14 @@ def lattice_log_likelihood(
     The forward variable alpha is advanced one frame t at a time, vectorised over the batch
     and the labels. Within a frame only label moves happen, so with C[t, u] the sum of the
     frame's label log-probs before u, alpha[t, u] = C[t, u] + logcumsumexp_k<=u(alpha[t-1, k] +
-    blank[t-1, k] - C[t, k]): a frame is four tensor ops, not one op per lattice cell or per
-    anti-diagonal. The gradient comes from the backward variable beta, walked the same way from
-    each utterance's last frame with suffix sums (Graves 2012, eq. 16): the occupancy of a
-    transition is exp(alpha + its log-prob + beta of where it leads - log P). Autograd through
-    the walk would keep a graph node per frame, each of whose backward fills a tensor of the
-    whole lattice. Cells outside each utterance's T_b x (U_b+1) lattice get exactly zero
-    gradient, whatever the padding holds.
+    blank[t-1, k] - C[t, k]): three tensor ops per frame (four backward), against about seven
+    per anti-diagonal (eight backward) when the walk went by diagonals. The gradient comes
+    from the backward variable beta, walked the same way from each utterance's last frame with
+    suffix sums (Graves 2012, eq. 16): the occupancy of a transition is exp(alpha + its
+    log-prob + beta of where it leads - log P). Autograd through the walk would keep a graph
+    node per frame, each of whose backward fills a tensor of the whole lattice. Cells outside
+    each utterance's T_b x (U_b+1) lattice get exactly zero gradient, whatever the padding
+    holds.
     """
     return _LatticeWalk.apply(lp_blank, lp_label, logit_lens, target_lens)
 
