@@ -56,6 +56,10 @@ gpus=$(nvidia-smi --list-gpus | wc -l)
 mkdir -p "$OUT"
 # the GPU machine runs this checkout uninstalled: the benchmarks and scripts import rnnt from it
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Phases started side by side (ON_GPU) set the machine up one at a time: two unpacking DALI
+# or installing wheels into the same folder at once left broken or half-written files.
+exec 9>/tmp/gpu_session_setup.lock
+flock 9
 # an earlier phase on this machine (maybe still running) installed them already
 if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:$PYTHONPATH; fi
 if [ -d "$WHEELS" ] && ! python3 -c "import librosa, mlperf_logging" 2>/dev/null; then
@@ -87,6 +91,8 @@ if [ -d /tmp/esp ]; then
   export LD_LIBRARY_PATH=$lib:$lib/pulseaudio:/tmp/esp/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export ESPEAK_DATA_PATH=$lib/espeak-ng-data PATH=/tmp/esp/usr/bin:$PATH
 fi
+flock -u 9
+exec 9>&-
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 corpus=datasets/sentences
 runs=results/convergence
