@@ -56,13 +56,14 @@ def _resample_kernel(
     nearest = tl.floor(src + 0.5)
     f = src - nearest  # in [-1/2, 1/2]
     angle = 3.141592653589793 * cutoff * f
-    sin_f = tl.sin(angle).to(tl.float32)
+    sin_angle = tl.sin(angle)
+    sin_f = sin_angle.to(tl.float32)
     cos_f = tl.cos(angle).to(tl.float32)
     sin_fe = tl.sin(angle / LOBES).to(tl.float32)
     cos_fe = tl.cos(angle / LOBES).to(tl.float32)
     # the centre tap's sinc, sin(a) / a, from float64 (exactly 1 where a underflows)
     tiny = tl.abs(angle) < 1e-12
-    centre_sinc = tl.where(tiny, 1.0, tl.sin(angle) / tl.where(tiny, 1.0, angle)).to(tl.float32)
+    centre_sinc = tl.where(tiny, 1.0, sin_angle / tl.where(tiny, 1.0, angle)).to(tl.float32)
     f32 = f.to(tl.float32)
     c32 = cutoff.to(tl.float32)
     pi_c = 3.141592653589793 * c32
