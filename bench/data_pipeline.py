@@ -12,6 +12,9 @@ worker count asked for:
 - utt/s: utterances delivered per second of wall clock over the timed batches, after warm-up
   batches (worker start, allocations); the consumer does nothing but the device transform,
   so this is what the pipeline can feed.
+- first batch: seconds from starting the loader to its first batch: worker start-up, which
+  a training run pays inside the timed region (the first setting also starts the process's
+  forkserver, which later loaders share).
 - cores: CPU time of this process and every process under it (the loader's workers, DALI's
   threads) per second of that wall clock, read from /proc.
 - GPU ms/batch (torch backend on a GPU): the batched feature stage plus the device
@@ -92,10 +95,14 @@ def time_loader(
     loader = build_loader(cfg, utts, dataset_dir, train=True, device=device)
     transform = BatchTransform(cfg.features, train=True, dtype=torch.float16).to(device)
     loader.set_epoch(0)
-    it = iter(loader)
-    for _ in range(warmup):
-        transform(next(it).to(device))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    start = time.perf_counter()
+    it = iter(loader)
+    transform(next(it).to(device))
+    sync()
+    first_batch_s = time.perf_counter() - start
+    for _ in range(warmup - 1):
+        transform(next(it).to(device))
     sync()
     cpu0, wall0 = cpu_seconds(), time.perf_counter()
     utterances = 0
@@ -110,6 +117,7 @@ def time_loader(
     gpu_ms = gpu_stage_ms(loader, transform, profile=profile) if device == "cuda" else None
     return {
         "utterances_per_s": utterances / wall,
+        "first_batch_s": first_batch_s,
         "cores": cores,
         "batches": batches,
         "gpu_ms_per_batch": gpu_ms,
@@ -172,13 +180,15 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, nargs="+", default=[8], help="data.num_threads")
     parser.add_argument("--batch-size", type=int, default=192)
-    parser.add_argument("--warmup", type=int, default=5, help="untimed batches first")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed batches first (>= 1)")
     parser.add_argument("--batches", type=int, default=40, help="timed batches")
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--profile", action="store_true", help="print the GPU stage's kernels (torch backend)"
     )
     args = parser.parse_args()
+    if args.warmup < 1:
+        parser.error("--warmup: at least 1 (the first batch is timed apart)")
     torch.set_num_threads(1)  # the main process assembles batches; the workers decode
 
     utts = read_manifest(args.manifest, args.dataset_dir)
@@ -209,6 +219,7 @@ def main() -> None:
                 print(
                     f"{backend:5} resampling={resampling} threads={threads:2d}: "
                     f"{r['utterances_per_s']:7.0f} utt/s, {r['cores']:5.1f} cores, "
+                    f"first batch after {r['first_batch_s']:.1f} s, "
                     + (f"GPU {gpu:.1f} ms/batch" if gpu is not None else "GPU time n/a"),
                     flush=True,
                 )

@@ -14,7 +14,8 @@ Torch backend, where the work happens:
   perturb its speed (train), compute its features and pad the batch; the main process
   only assembles tokens. Workers start by forkserver (fork would copy DALI's and CUDA's
   threads half-way), so scripts that build a loader need the `if __name__ == "__main__"`
-  guard.
+  guard; the server imports torch and this module once, and the workers fork from it with
+  them loaded (see `worker_processes`).
 * data.device = gpu: workers decode (and perturb the speed when data.resampling_device is
   cpu); the main process pads the raw audio and computes the features of the whole batch in
   one sync-free pass on `device`. This is the choice for the GPU machine: the CPU path runs
@@ -33,6 +34,7 @@ and dither do not depend on the number of workers, and a resumed run repeats the
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -301,8 +303,7 @@ class TorchFeatureLoader:
             pin_memory=device.type == "cuda",
             worker_init_fn=_one_thread if workers else None,
             persistent_workers=workers > 0,
-            # fork would copy DALI's or CUDA's threads half-way: fresh worker processes
-            multiprocessing_context="forkserver" if workers else None,
+            multiprocessing_context=worker_processes() if workers else None,
             # Every DataLoader iterator draws a base seed; from a private generator, so starting
             # an epoch never advances the global RNG (dropout) and resumes stay exact.
             generator=torch.Generator().manual_seed(rank_seeds(seed, rank).loader),
@@ -383,6 +384,18 @@ def _collate(items: list[tuple[int, int, torch.Tensor | str]]):
         rows = [row.float() / 32768 if row.dtype == torch.int16 else row for row in rows]
     padded, lens = pad_stack(rows)
     return [i for i, _ in good], seed, padded, lens, unreadable
+
+
+def worker_processes() -> multiprocessing.context.BaseContext:
+    """How the loader's worker processes start: forked from a server process that imported
+    torch and this module before the first worker. With the server's default preload (the
+    main script) every worker still imported torch on its own, which is seconds of CPU per
+    worker before the first batch of the first epoch and again of the first evaluation, both
+    inside MLPerf's timed region (docs/PERFORMANCE.md, "Loader start-up")."""
+    context = multiprocessing.get_context("forkserver")
+    # takes effect where the server has not started yet, which is the first loader's iteration
+    context.set_forkserver_preload(["torch", __name__])
+    return context
 
 
 def _one_thread(_worker_id: int) -> None:

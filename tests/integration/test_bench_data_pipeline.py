@@ -39,4 +39,5 @@ def test_bench_times_the_torch_loader_on_a_manifest(repo_root, corpus, tmp_path)
     assert [(r["backend"], r["threads"]) for r in report["results"]] == [("torch", 0), ("torch", 2)]
     for row in report["results"]:
         assert row["utterances_per_s"] > 0 and row["cores"] > 0 and row["batches"] == 3
+        assert 0 < row["first_batch_s"] < 120
         assert row["gpu_ms_per_batch"] is None  # the feature stage ran in the CPU workers

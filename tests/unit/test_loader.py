@@ -173,6 +173,30 @@ def test_worker_processes_give_the_same_batches(corpus):
         assert torch.equal(a.feat_lens, b.feat_lens) and torch.equal(a.tokens, b.tokens)
 
 
+def _forkservers() -> list[str]:
+    """The /proc/<pid>/maps text of this process's forkserver children."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+            if parent == os.getpid() and b"forkserver" in cmdline:
+                found.append((stat.parent / "maps").read_text())
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended meanwhile
+    return found
+
+
+def test_workers_fork_from_a_server_that_has_torch_loaded(corpus):
+    """Otherwise every worker imports torch itself before its first item: 8 workers on 2 cores
+    took 18 s to the first batch instead of 4 s."""
+    utts, _, root = corpus
+    _batches(build_loader(_cfg(num_threads=2), utts, root, train=False))
+    servers = _forkservers()
+    assert servers, "the loader's workers did not start from a forkserver"
+    assert all("libtorch" in maps for maps in servers)
+
+
 def test_batched_device_path_matches_per_utterance_path(corpus):
     utts, _, root = corpus
     per_utt = _cfg()
