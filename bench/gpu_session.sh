@@ -248,6 +248,10 @@ for line in open(sys.argv[1]):
     # a copy of this checkout that later calls' copies cannot change under it. The plain path
     # takes micro-batches of 96 with two accumulated (the same global batch) where a GPU has
     # under 100 GiB: its lattice log-probabilities and their gradient needed about 75 GB at 192.
+    # FAST_GPUS=n trains each fast run under torchrun on n GPUs from its own, with 192 / n per
+    # GPU: the sampler deals the same global batches to any number of ranks, so the run sees the
+    # plain runs' data, and its log is a multi-GPU run to the target. WORKERS: loader threads
+    # per process (default: the share of cores less two, at most 14).
     mkdir -p "$runs"
     src=$(mktemp -d /tmp/rnnt_converge_src.XXXX)
     cp -a rnnt train.py eval.py configs "$src"/
@@ -256,6 +260,7 @@ for line in open(sys.argv[1]):
     share=$(( $(nproc) / gpus ))
     workers=$(( share - 2 ))
     [ "$workers" -gt 14 ] && workers=14
+    workers=${WORKERS:-$workers} fast_gpus=${FAST_GPUS:-1}
     names=()
     for seed in ${SEEDS:-1}; do for path in ${RUNS:-fast plain}; do names+=("${path}_s$seed"); done; done
     for i in "${!names[@]}"; do
@@ -265,14 +270,22 @@ for line in open(sys.argv[1]):
         config=configs/convergence/sentences_plain.yaml
         [ "$mem_gib" -lt 100 ] && extra=(--set training.batch_size=96 --set training.grad_accumulation=2)
       fi
-      gpu=$(( (${FIRST_GPU:-0} + i) % gpus )) log=$PWD/$runs/$name.log
+      gpu=$(( (${FIRST_GPU:-0} + i) % gpus )) n=1 launch=(python3)
+      if [ "$path" = fast ] && [ "$fast_gpus" -gt 1 ]; then
+        n=$fast_gpus name=${name}_${n}gpu
+        [ $(( gpu + n )) -gt "$gpus" ] && gpu=0
+        launch=(torchrun --standalone --nproc_per_node "$n")
+        extra=(--set system.gpus_per_node="$n" --set training.batch_size=$(( 192 / n )))
+      fi
+      visible=$(seq -s, "$gpu" $(( gpu + n - 1 ))) cores="$(( gpu * share ))-$(( (gpu + n) * share - 1 ))"
+      log=$PWD/$runs/$name.log
       # only the run itself in the background: a backgrounded `cd && run` list would keep a
       # subshell holding this script's stdout (and a caller's pipe) open until the run ends
-      (cd "$src" || exit; CUDA_VISIBLE_DEVICES=$gpu setsid nohup \
-        taskset -c "$(( gpu * share ))-$(( gpu * share + share - 1 ))" python3 train.py "$config" \
+      (cd "$src" || exit; CUDA_VISIBLE_DEVICES=$visible setsid nohup \
+        taskset -c "$cores" "${launch[@]}" train.py "$config" \
         --set training.seed="$seed" --set data.num_threads="$workers" "${extra[@]}" \
         --set training.output_dir="results/convergence/$name" > "$log" 2>&1 < /dev/null &
-       echo "$name: pid $!, GPU $gpu, cores $(( gpu * share ))-$(( gpu * share + share - 1 )), $workers workers ${extra[*]}")
+       echo "$name: pid $!, GPUs $visible, cores $cores, $workers workers ${extra[*]}")
     done ;;
   wait)
     # until every run of `converge` has ended, or this call's time is nearly up
