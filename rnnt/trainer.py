@@ -16,7 +16,14 @@ from pathlib import Path
 import torch
 
 from rnnt.backends import backend_line, training_choices
-from rnnt.checkpoint import Checkpoint, CheckpointManager, capture_rng_state, restore_rng_state
+from rnnt.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointManager,
+    capture_rng_state,
+    open_checkpoint,
+    restore_rng_state,
+)
 from rnnt.config import Config, ConfigError, check_device, preset_global_batch, to_dict
 from rnnt.data.augment import BatchTransform
 from rnnt.data.batch import FeatureBatch
@@ -227,9 +234,12 @@ class Trainer:
             }
         return files
 
-    def load_state(self, states: dict[str, dict], checkpoint: Checkpoint) -> list[str]:
+    def load_state(
+        self, states: dict[str, dict], checkpoint: Checkpoint, same_run: bool = True
+    ) -> list[str]:
         """Load a checkpoint's states; returns the reasons the resume is not exact (none: it
-        continues bit for bit as the run that saved it would have)."""
+        continues bit for bit as the run that saved it would have). same_run=False (another
+        run's checkpoint, `start_from`): keep this run's id and draw its own random streams."""
         main = states["model"]
         self.model.load_state_dict(main["model"])
         shards = [v["optimizer"] for k, v in states.items() if k.startswith("rank")]
@@ -252,11 +262,20 @@ class Trainer:
                 f"{checkpoint.path}: {err}; resume with the manifests and batch settings it was "
                 "trained with, or start a fresh run"
             ) from None
-        self.run_id = checkpoint.meta.get("run_id", self.run_id)  # older checkpoints have none
-        self.checkpoints.run_id = self.run_id
         self.skipped_total.copy_(main["skipped_total"])
         self.skipped_in_a_row.copy_(main["skipped_in_a_row"])
+        if not same_run:
+            self._seed_streams_at_step()
+            return []
+        self.run_id = checkpoint.meta.get("run_id", self.run_id)  # older checkpoints have none
+        self.checkpoints.run_id = self.run_id
         return self._restore_streams(states.get(f"rank{self.ctx.rank}"), checkpoint)
+
+    def _seed_streams_at_step(self) -> None:
+        """Dropout's and SpecAugment's streams from this run's seed and the step (the loader's
+        draws are a function of the seed and the position already)."""
+        torch.manual_seed(self.seeds.torch + self.progress.step)
+        self.augment_generator.manual_seed(self.seeds.augment + self.progress.step)
 
     def _restore_streams(self, own: dict | None, checkpoint: Checkpoint) -> list[str]:
         """Restore this rank's random streams; the reasons the resume is not exact, if any."""
@@ -277,22 +296,24 @@ class Trainer:
                 f"it was written by {saved_world} rank(s): the optimizer state was cut anew for "
                 f"{self.ctx.world_size}, and the random streams restart from the seed and the step"
             )
-            torch.manual_seed(self.seeds.torch + self.progress.step)
-            self.augment_generator.manual_seed(self.seeds.augment + self.progress.step)
+            self._seed_streams_at_step()
         return not_exact
+
+    def _files_to_load(self, checkpoint: Checkpoint) -> list[str]:
+        """The model's file and this rank's optimizer shard, or every rank's where the
+        checkpoint was written by another number of ranks (the state is cut anew)."""
+        rank, world = self.ctx.rank, self.ctx.world_size
+        if checkpoint.record.get("world_size") == world:
+            return ["model", f"rank{rank}"]
+        return ["model"] + [f"rank{r}" for r in range(checkpoint.record["world_size"])]
 
     def resume(self) -> bool:
         """Load the newest checkpoint of output_dir that every rank can read; False when there
         is none."""
-        rank, world = self.ctx.rank, self.ctx.world_size
-
-        def files(checkpoint: Checkpoint) -> list[str]:
-            if checkpoint.record.get("world_size") == world:
-                return ["model", f"rank{rank}"]
-            return ["model"] + [f"rank{r}" for r in range(checkpoint.record["world_size"])]
-
         loaded = self.checkpoints.load_latest(
-            files, map_location=self.ctx.device, agree=lambda ok: not any_rank(not ok, self.ctx)
+            self._files_to_load,
+            map_location=self.ctx.device,
+            agree=lambda ok: not any_rank(not ok, self.ctx),
         )
         if loaded is None:
             return False
@@ -304,6 +325,29 @@ class Trainer:
             f"step {self.progress.step}; {how}"
         )
         return True
+
+    def start_from(self, path: str | Path) -> None:
+        """Begin this fresh run where another run's checkpoint `path` left off: its weights,
+        optimizer state, EMA, loss scale, epoch and step, and its place in the data (the data
+        order's seed included). This run keeps its own id and output folder, and its random
+        streams (dropout, SpecAugment, the loader's draws) come from its own seed and the step.
+        Runs started from one checkpoint with other seeds or backends show how far training
+        drifts from there alone (docs/CONVERGENCE.md)."""
+        checkpoint = open_checkpoint(path)
+        states, problem = {}, None
+        try:
+            for name in self._files_to_load(checkpoint):
+                states[name] = checkpoint.load(name, self.ctx.device)
+        except CheckpointError as err:
+            problem = err
+        if any_rank(problem is not None, self.ctx):
+            raise problem or CheckpointError(f"{checkpoint.path}: unusable on another rank")
+        self.load_state(states, checkpoint, same_run=False)
+        self.log.info(
+            f"started from {checkpoint.path} (run {checkpoint.meta.get('run_id', '?')}) after "
+            f"its step {self.progress.step}, in epoch {self.progress.epoch}; random streams "
+            f"from seed {self.cfg.training.seed}"
+        )
 
     def save(self, wer: float | None = None, background: bool = False) -> Path:
         """Checkpoint the whole training state; every rank calls it at the same point and

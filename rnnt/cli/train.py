@@ -3,6 +3,8 @@
 python train.py configs/tiny.yaml
 torchrun --nproc_per_node 8 train.py configs/baseline_v3-1023sp.yaml --num_cg 4
 python train.py CONFIG --set training.batch_size=64 --set optimizer.preset=gbs512 --resume
+python train.py CONFIG --init-from results/a/checkpoints/ckpt_e8 --set training.seed=2 \
+    --set training.output_dir=results/b
 
 Exit status: 0 when the run reached training.target_wer, or ran all its epochs with the
 target off (0); 1 when it ran all its epochs without reaching the target; 2 for a mistake in
@@ -43,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
         "deleting them (without it, such a run is refused)",
     )
     parser.add_argument(
+        "--init-from",
+        metavar="CHECKPOINT",
+        default=None,
+        help="start this fresh run where another run's checkpoint directory left off (its "
+        "weights, optimizer, EMA, epoch, step and data order), with this run's own seed for "
+        "dropout and augmentation; not with --resume",
+    )
+    parser.add_argument(
         "--device",
         default="auto",
         choices=["auto", "cuda", "cpu"],
@@ -61,6 +71,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_init_from(path: str, resume: bool, output_dir: str) -> None:
+    """--init-from names a complete checkpoint outside the new run's folder (a fresh run with
+    --overwrite deletes the checkpoints there before it would read them)."""
+    from pathlib import Path
+
+    from rnnt.checkpoint import open_checkpoint
+    from rnnt.errors import UserError
+
+    if resume:
+        raise UserError("--init-from starts a fresh run; --resume continues one: pass one")
+    checkpoint = open_checkpoint(path)
+    out = Path(output_dir).resolve()
+    if checkpoint.path.resolve().is_relative_to(out):
+        raise UserError(
+            f"--init-from {path}: lies inside training.output_dir {output_dir}; start the new "
+            "run in another training.output_dir"
+        )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
@@ -72,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_cg is not None:
         overrides.append(f"training.num_cg={args.num_cg}")
     cfg = load_config(args.config, overrides)
+    if args.init_from is not None:
+        check_init_from(args.init_from, args.resume, cfg.training.output_dir)
 
     # torch and the training stack load only once the command line is known to be good
     from pathlib import Path
@@ -112,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.preemption = preemption
         if args.resume and not trainer.resume():
             trainer.log.info(f"--resume: no checkpoint in {out}, starting fresh")
+        if args.init_from is not None:
+            trainer.start_from(args.init_from)
         reached = trainer.fit()
     except NonFiniteLossError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -294,3 +294,60 @@ def test_runs_never_mix_in_one_output_dir(capsys, tiny_sets, tmp_path, corpus):
         (run["run_id"], run["seed"], "drawn", False),
         (run["run_id"], run["seed"], "the checkpoint", True),
     ]
+
+
+def test_a_run_starts_from_another_runs_checkpoint(capsys, tiny_sets, tmp_path, corpus):
+    """--init-from: the new run begins at the checkpoint's epoch and step with its weights,
+    keeps its own id and seed, and leaves the first run's folder as it was."""
+    dev = tmp_path / "dev.jsonl"  # two utterances: the WER's value is not what is tested
+    dev.write_text("".join((corpus["root"] / "dev.jsonl").read_text().splitlines(True)[:2]))
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = (f"data.val_manifests=[{dev}]", "training.target_wer=0")
+    sets = tiny_sets(first, *common, "training.epochs=1", "training.seed=3")
+    assert main([str(TINY), *sets]) == 0
+    (start,) = (first / "checkpoints").iterdir()
+    before = sorted(p.name for p in first.rglob("*"))
+    capsys.readouterr()
+
+    sets = tiny_sets(second, *common, "training.epochs=2", "training.seed=4")
+    assert main([str(TINY), "--init-from", str(start), *sets]) == 0
+    printed = capsys.readouterr().out
+    first_run = [r for r in read_metrics(first / METRICS_FILE) if r["kind"] == "run"][0]
+    (run,) = [r for r in read_metrics(second / METRICS_FILE) if r["kind"] == "run"]
+    assert run["run_id"] != first_run["run_id"] and run["seed"] == 4
+    assert (
+        f"started from {start} (run {first_run['run_id']}) after its step 6, in epoch 2" in printed
+    )
+    steps = [r["step"] for r in read_metrics(second / METRICS_FILE) if r["kind"] == "train"]
+    assert steps and min(steps) > 6 and max(steps) == 12  # epoch 2 only
+    assert [r["epoch"] for r in read_metrics(second / METRICS_FILE) if r["kind"] == "eval"] == [2]
+    assert sorted(p.name for p in first.rglob("*")) == before
+
+    # with nothing left to train, the saved state is the checkpoint's own weights
+    third = tmp_path / "third"
+    sets = tiny_sets(third, *common, "training.epochs=1", "training.seed=5")
+    assert main([str(TINY), "--init-from", str(start), *sets]) == 0
+    (saved,) = (third / "checkpoints").iterdir()
+    ours = torch.load(saved / "model.pt", weights_only=True)["model"]
+    theirs = torch.load(start / "model.pt", weights_only=True)["model"]
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_init_from_is_checked_before_training(capsys, tiny_sets, tmp_path):
+    out = tmp_path / "out"
+    nowhere = tmp_path / "ckpt_e1_s6"
+    nowhere.mkdir()
+    assert one_line_error(capsys, "--init-from", nowhere, *tiny_sets(out)) == (
+        f"error: {nowhere} is not a complete checkpoint (no complete.json)"
+    )
+    assert one_line_error(capsys, "--init-from", nowhere, "--resume", *tiny_sets(out)) == (
+        "error: --init-from starts a fresh run; --resume continues one: pass one"
+    )
+    inside = out / "checkpoints" / "ckpt_e1_s6"
+    inside.mkdir(parents=True)
+    (inside / "complete.json").write_text('{"files": {}}')
+    assert one_line_error(capsys, "--init-from", inside, *tiny_sets(out)) == (
+        f"error: --init-from {inside}: lies inside training.output_dir {out}; start the new run "
+        "in another training.output_dir"
+    )

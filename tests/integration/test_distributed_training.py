@@ -285,6 +285,29 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one(corpus, tmp_path):
         torch.testing.assert_close(model_one["model"][key], value, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("launch", [CPU2, CUDA2], indirect=True)
+def test_a_run_started_from_another_runs_checkpoint_continues_it(corpus, tmp_path, launch):
+    """--init-from on every rank: with no randomness in the run (EXACT), the new run ends on the
+    weights of the run it started from, under its own id."""
+    device, _ = launch
+    first, second = tmp_path / "first", tmp_path / "second"
+    extra = (*EXACT, "training.checkpoint_every_steps=4", "training.keep_last_checkpoints=10")
+    proc = run(train_command(2, *sets(corpus, first, 4, *extra), device=device))
+    assert "target NOT reached" in proc.stdout, proc.stderr[-3000:]
+    start = first / "checkpoints" / "ckpt_e0_s4"
+    command = train_command(
+        2, "--init-from", str(start), *sets(corpus, second, 4, *extra), device=device
+    )
+    proc = run(command)
+    assert f"started from {start}" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert sorted(train_losses(second)) == [5, 6]
+    runs = [read_metrics(out / METRICS_FILE)[0]["run_id"] for out in (first, second)]
+    assert runs[0] != runs[1]
+    (model_first, _), (model_second, _) = final_state(first), final_state(second)
+    for key, value in model_first["model"].items():
+        torch.testing.assert_close(model_second["model"][key], value, rtol=1e-4, atol=1e-6)
+
+
 def test_run_and_time_passes_a_preemption_through_torchrun(corpus, tmp_path):
     """docker/launch.sh runs scripts/run_and_time.sh under torchrun, which signals only that
     shell: the shell hands the signal to train.py, which saves, and reports its status."""
