@@ -30,6 +30,8 @@
 #   bash bench/gpu_session.sh realstep    # the trainer's step on its audio vs synthetic batches
 #                                         # (BACKEND=torch|dali, RESAMPLING=gpu|cpu)
 #   bash bench/gpu_session.sh converge    # the runs of configs/convergence/, in the background
+#   bash bench/gpu_session.sh fork        # more runs, from the fast run's first checkpoint past
+#                                         # the loss plateau
 #   bash bench/gpu_session.sh wait        # until they end (or this call's time); their metrics
 #   bash bench/gpu_session.sh evalparity  # eval.py in every decoder mode; compliance checker
 # DALI travels in parts, one per call (.carry/dali, made by bench/dali_parts.sh); each call
@@ -45,7 +47,7 @@ if [ -n "${ON_GPU:-}" ]; then
   exec env ON_GPU= CUDA_VISIBLE_DEVICES="$ON_GPU" taskset -c "$first-$(( first + share - 1 ))" \
     bash "$0" "$@"
 fi
-phase=${1:?phase: tests | loss | step | lstm | resample | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | wait | evalparity}
+phase=${1:?phase: tests | loss | step | lstm | resample | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | fork | wait | evalparity}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
 # the spoken-digits corpus the distributed tests train on (this machine has no espeak-ng):
@@ -96,6 +98,63 @@ exec 9>&-
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 corpus=datasets/sentences
 runs=results/convergence
+
+# Detached training runs of configs/convergence/ for `converge` and `fork`, so that later calls
+# can wait for them: start_runs CHECKPOINT PREFIX NAME... where NAME is fast_sN or plain_sN and
+# CHECKPOINT ("" for none) is where they start (train.py --init-from). Run i gets GPU
+# (FIRST_GPU + i) mod (GPUs here) and that GPU's share of the cores (pinned, so that other
+# phases can time on the remaining GPUs), and runs from a copy of this checkout that later
+# calls' copies cannot change under it. The plain path takes micro-batches of 96 with two
+# accumulated (the same global batch) where a GPU has under 100 GiB: its lattice
+# log-probabilities and their gradient needed about 75 GB at 192. FAST_GPUS=n trains each fast
+# run under torchrun on n GPUs from its own, with 192 / n per GPU: the sampler deals the same
+# global batches to any number of ranks, so the run sees the plain runs' data, and its log is
+# a multi-GPU run to the target. WORKERS: loader processes per run (default: the share of
+# cores less two, at most 14).
+start_runs() {
+  local from=$1 prefix=$2
+  shift 2
+  mkdir -p "$runs"
+  local src mem_gib share workers fast_gpus
+  src=$(mktemp -d /tmp/rnnt_converge_src.XXXX)
+  cp -a rnnt train.py eval.py configs "$src"/
+  ln -s "$PWD/datasets" "$src/datasets" && ln -s "$PWD/results" "$src/results"
+  mem_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1) / 1024 ))
+  share=$(( $(nproc) / gpus ))
+  workers=$(( share - 2 ))
+  [ "$workers" -gt 14 ] && workers=14
+  workers=${WORKERS:-$workers} fast_gpus=${FAST_GPUS:-1}
+  local i=0 name path seed config extra gpu n launch visible cores log
+  for name in "$@"; do
+    path=${name%_s*} seed=${name##*_s}
+    config=configs/convergence/sentences.yaml extra=()
+    if [ "$path" = plain ]; then
+      config=configs/convergence/sentences_plain.yaml
+      [ "$mem_gib" -lt 100 ] && extra=(--set training.batch_size=96 --set training.grad_accumulation=2)
+    fi
+    if [ -n "$from" ]; then
+      extra+=(--init-from "$from" --set training.epochs="${FORK_TO:-14}" --set training.target_wer=0)
+    fi
+    gpu=$(( (${FIRST_GPU:-0} + i) % gpus )) n=1 launch=(python3)
+    i=$(( i + 1 ))
+    if [ "$path" = fast ] && [ "$fast_gpus" -gt 1 ]; then
+      n=$fast_gpus name=${name}_${n}gpu
+      [ $(( gpu + n )) -gt "$gpus" ] && gpu=0
+      launch=(torchrun --standalone --nproc_per_node "$n")
+      extra+=(--set system.gpus_per_node="$n" --set training.batch_size=$(( 192 / n )))
+    fi
+    name=$prefix$name
+    visible=$(seq -s, "$gpu" $(( gpu + n - 1 ))) cores="$(( gpu * share ))-$(( (gpu + n) * share - 1 ))"
+    log=$PWD/$runs/$name.log
+    # only the run itself in the background: a backgrounded `cd && run` list would keep a
+    # subshell holding this script's stdout (and a caller's pipe) open until the run ends
+    (cd "$src" || exit; CUDA_VISIBLE_DEVICES=$visible setsid nohup \
+      taskset -c "$cores" "${launch[@]}" train.py "$config" \
+      --set training.seed="$seed" --set data.num_threads="$workers" "${extra[@]}" \
+      --set training.output_dir="results/convergence/$name" > "$log" 2>&1 < /dev/null &
+     echo "$name: pid $!, GPUs $visible, cores $cores, $workers workers ${extra[*]}")
+  done
+}
 
 case "$phase" in
   tests)
@@ -242,51 +301,38 @@ for line in open(sys.argv[1]):
     python3 -m mlperf_logging.compliance_checker --usage training --ruleset 3.1.0 \
       /tmp/rnnt_multireal/mlperf.log 2>&1 | tail -3 | tee "$OUT/multireal_compliance_$gpus.txt" ;;
   converge)
-    # the runs named in RUNS (fast, plain) for each seed in SEEDS, detached so that later
-    # calls can wait for them; run i gets GPU (FIRST_GPU + i) mod (GPUs here), that GPU's share
-    # of the cores (pinned, so that other phases can time on the remaining GPUs), and runs from
-    # a copy of this checkout that later calls' copies cannot change under it. The plain path
-    # takes micro-batches of 96 with two accumulated (the same global batch) where a GPU has
-    # under 100 GiB: its lattice log-probabilities and their gradient needed about 75 GB at 192.
-    # FAST_GPUS=n trains each fast run under torchrun on n GPUs from its own, with 192 / n per
-    # GPU: the sampler deals the same global batches to any number of ranks, so the run sees the
-    # plain runs' data, and its log is a multi-GPU run to the target. WORKERS: loader threads
-    # per process (default: the share of cores less two, at most 14).
-    mkdir -p "$runs"
-    src=$(mktemp -d /tmp/rnnt_converge_src.XXXX)
-    cp -a rnnt train.py eval.py configs "$src"/
-    ln -s "$PWD/datasets" "$src/datasets" && ln -s "$PWD/results" "$src/results"
-    mem_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1) / 1024 ))
-    share=$(( $(nproc) / gpus ))
-    workers=$(( share - 2 ))
-    [ "$workers" -gt 14 ] && workers=14
-    workers=${WORKERS:-$workers} fast_gpus=${FAST_GPUS:-1}
+    # the runs named in RUNS (fast, plain) for each seed in SEEDS, detached (start_runs)
     names=()
     for seed in ${SEEDS:-1}; do for path in ${RUNS:-fast plain}; do names+=("${path}_s$seed"); done; done
-    for i in "${!names[@]}"; do
-      name=${names[$i]} path=${names[$i]%_s*} seed=${names[$i]##*_s}
-      config=configs/convergence/sentences.yaml extra=()
-      if [ "$path" = plain ]; then
-        config=configs/convergence/sentences_plain.yaml
-        [ "$mem_gib" -lt 100 ] && extra=(--set training.batch_size=96 --set training.grad_accumulation=2)
-      fi
-      gpu=$(( (${FIRST_GPU:-0} + i) % gpus )) n=1 launch=(python3)
-      if [ "$path" = fast ] && [ "$fast_gpus" -gt 1 ]; then
-        n=$fast_gpus name=${name}_${n}gpu
-        [ $(( gpu + n )) -gt "$gpus" ] && gpu=0
-        launch=(torchrun --standalone --nproc_per_node "$n")
-        extra=(--set system.gpus_per_node="$n" --set training.batch_size=$(( 192 / n )))
-      fi
-      visible=$(seq -s, "$gpu" $(( gpu + n - 1 ))) cores="$(( gpu * share ))-$(( (gpu + n) * share - 1 ))"
-      log=$PWD/$runs/$name.log
-      # only the run itself in the background: a backgrounded `cd && run` list would keep a
-      # subshell holding this script's stdout (and a caller's pipe) open until the run ends
-      (cd "$src" || exit; CUDA_VISIBLE_DEVICES=$visible setsid nohup \
-        taskset -c "$cores" "${launch[@]}" train.py "$config" \
-        --set training.seed="$seed" --set data.num_threads="$workers" "${extra[@]}" \
-        --set training.output_dir="results/convergence/$name" > "$log" 2>&1 < /dev/null &
-       echo "$name: pid $!, GPUs $visible, cores $cores, $workers workers ${extra[*]}")
-    done ;;
+    start_runs "" "" "${names[@]}" ;;
+  fork)
+    # Runs that start from a checkpoint of the fast run FAST_RUN (default fast_s1) instead of
+    # from scratch: the first one whose dev WER is below FORK_WER (default 0.95), so after the
+    # run has left the loss plateau whose end varies by 1,000 steps between runs
+    # (docs/CONVERGENCE.md). FORKS names them (default "plain_s1 plain_s2 fast_s2"); they train
+    # to epoch FORK_TO (default 14), target off. Waits up to WAIT_S for that checkpoint, and
+    # copies it beside the runs, out of reach of the fast run's retention.
+    deadline=$(( $(date +%s) + ${WAIT_S:-540} )) ckpt=""
+    while [ -z "$ckpt" ] && [ "$(date +%s)" -lt "$deadline" ]; do
+      ckpt=$(python3 - "$runs/${FAST_RUN:-fast_s1}/checkpoints" "${FORK_WER:-0.95}" <<'PY'
+import json, sys
+from pathlib import Path
+found = []
+for done in Path(sys.argv[1]).glob("ckpt_e*/complete.json"):
+    wer = json.loads(done.read_text()).get("meta", {}).get("wer")
+    if wer is not None and wer < float(sys.argv[2]):
+        found.append((int(done.parent.name.split("_")[1][1:]), str(done.parent)))
+print(min(found)[1] if found else "")
+PY
+)
+      [ -z "$ckpt" ] && sleep 5
+    done
+    [ -n "$ckpt" ] || { echo "fork: no checkpoint below dev WER ${FORK_WER:-0.95} yet"; exit 1; }
+    copy=$runs/start_$(basename "$ckpt")
+    rm -rf "$copy" && cp -a "$ckpt" "$copy"
+    echo "fork: from $ckpt ($(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["meta"])' "$copy/complete.json"))"
+    # shellcheck disable=SC2086
+    start_runs "$PWD/$copy" "from_$(basename "$ckpt" | cut -d_ -f2)_" ${FORKS:-plain_s1 plain_s2 fast_s2} ;;
   wait)
     # until every run of `converge` has ended, or this call's time is nearly up
     deadline=$(( $(date +%s) + ${WAIT_S:-540} ))
