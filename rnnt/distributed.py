@@ -157,14 +157,28 @@ def visible_gpu_share(env: dict[str, str], proc_gpus: Path | None = None) -> tup
     return len(names), on_node
 
 
+def ranks_sharing_cores(env: dict[str, str], narrowed: bool) -> int:
+    """How many of this node's ranks run on this process's CPU affinity. torchrun's children
+    inherit its affinity, so they share it (LOCAL_WORLD_SIZE). Ranks that srun started as
+    tasks of their own (scripts/slurm/run.sub) share the node's cores while nothing narrowed
+    their affinity (SLURM_NTASKS_PER_NODE), and each has its own cores once srun bound them
+    (`narrowed`: the affinity holds fewer cores than the machine): dividing those again by the
+    tasks per node left a 14-core task 1 intra-op thread."""
+    if "LOCAL_WORLD_SIZE" in env:
+        return max(1, int(env["LOCAL_WORLD_SIZE"]))
+    if narrowed:
+        return 1
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]  # "8", or "8(x2)"
+    return max(1, int(per_node)) if per_node.isdigit() else 1
+
+
 def set_torch_threads(data_threads: int, setting: int) -> str:
     """Apply `torch_threads` to this process; returns the one line that says what it chose."""
     cores = available_cores()
-    local_ranks = int(
-        os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1"))
-    )
+    narrowed = cores < (os.cpu_count() or cores)
+    local_ranks = ranks_sharing_cores(dict(os.environ), narrowed)
     visible, on_node = visible_gpu_share(dict(os.environ))
-    if cores < (os.cpu_count() or cores):
+    if narrowed:
         visible = on_node = 1  # the affinity (a SLURM step, taskset) made the split already
     job_cores = max(1, cores * visible // on_node)
     threads = torch_threads(job_cores, local_ranks, data_threads, setting)

@@ -143,3 +143,31 @@ def test_an_affinity_that_split_the_node_already_is_not_split_again(threads_line
 
     threads, line = threads_line("1", machine_share=4)
     assert threads == available_cores() and "of the node's GPUs" not in line
+
+
+def test_ranks_share_an_affinity_only_where_they_inherit_it():
+    from rnnt.distributed import ranks_sharing_cores
+
+    # torchrun's children share their launcher's cores, narrowed or not
+    assert ranks_sharing_cores({"LOCAL_WORLD_SIZE": "8", "SLURM_NTASKS_PER_NODE": "1"}, True) == 8
+    assert ranks_sharing_cores({"LOCAL_WORLD_SIZE": "4"}, False) == 4
+    # srun's tasks (run.sub: 8 per node, 14 cores each): bound, each has its own cores
+    assert ranks_sharing_cores({"SLURM_NTASKS_PER_NODE": "8"}, True) == 1
+    # unbound, they share the node's
+    assert ranks_sharing_cores({"SLURM_NTASKS_PER_NODE": "8"}, False) == 8
+    assert ranks_sharing_cores({"SLURM_NTASKS_PER_NODE": "8(x2)"}, False) == 8
+    assert ranks_sharing_cores({}, False) == 1
+
+
+def test_a_bound_srun_task_uses_its_own_cores(threads_line, monkeypatch):
+    """run.sub: srun --ntasks-per-node=8 --cpus-per-task=14 binds each rank to its 14 cores,
+    which are its alone."""
+    from rnnt.distributed import available_cores
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8")
+    cores = available_cores()
+    threads, line = threads_line(None, machine_share=8)
+    assert threads == cores and f"({cores} cores / 1 rank(s) on this node" in line
+    threads, line = threads_line(None)  # not bound: the node's cores, shared by 8 tasks
+    assert threads == max(1, cores // 8) and "/ 8 rank(s) on this node" in line
