@@ -14,7 +14,8 @@ worker count asked for:
   so this is what the pipeline can feed.
 - first batch: seconds from starting the loader to its first batch: worker start-up, which
   a training run pays inside the timed region (the first setting also starts the process's
-  forkserver, which later loaders share).
+  forkserver, which later loaders share). With --epoch-pause S, also the next epoch's first
+  batch after the rest of the epoch and S seconds standing in for the evaluation.
 - cores: CPU time of this process and every process under it (the loader's workers, DALI's
   threads) per second of that wall clock, read from /proc.
 - GPU ms/batch (torch backend on a GPU): the batched feature stage plus the device
@@ -90,7 +91,14 @@ def bench_config(
 
 
 def time_loader(
-    cfg: Config, utts, dataset_dir, device: str, warmup: int, batches: int, profile: bool = False
+    cfg: Config,
+    utts,
+    dataset_dir,
+    device: str,
+    warmup: int,
+    batches: int,
+    profile: bool = False,
+    epoch_pause: float = 0.0,
 ) -> dict:
     loader = build_loader(cfg, utts, dataset_dir, train=True, device=device)
     transform = BatchTransform(cfg.features, train=True, dtype=torch.float16).to(device)
@@ -113,11 +121,23 @@ def time_loader(
     sync()
     wall = time.perf_counter() - wall0
     cores = (cpu_seconds() - cpu0) / wall
+    next_epoch_s = None
+    if epoch_pause > 0:
+        for batch in it:  # the rest of the epoch, then a stand-in for the evaluation
+            transform(batch.to(device))
+        time.sleep(epoch_pause)
+        loader.set_epoch(1)
+        start = time.perf_counter()
+        it = iter(loader)
+        transform(next(it).to(device))
+        sync()
+        next_epoch_s = time.perf_counter() - start
     del it  # the replay below restarts the loader's persistent workers
     gpu_ms = gpu_stage_ms(loader, transform, profile=profile) if device == "cuda" else None
     return {
         "utterances_per_s": utterances / wall,
         "first_batch_s": first_batch_s,
+        "next_epoch_first_batch_s": next_epoch_s,
         "cores": cores,
         "batches": batches,
         "gpu_ms_per_batch": gpu_ms,
@@ -182,6 +202,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=192)
     parser.add_argument("--warmup", type=int, default=5, help="untimed batches first (>= 1)")
     parser.add_argument("--batches", type=int, default=40, help="timed batches")
+    parser.add_argument(
+        "--epoch-pause",
+        type=float,
+        default=0.0,
+        help="also drain the epoch, wait this many seconds (the evaluation) and time the next "
+        "epoch's first batch (0: not)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--profile", action="store_true", help="print the GPU stage's kernels (torch backend)"
@@ -212,14 +239,16 @@ def main() -> None:
                     args.warmup,
                     args.batches,
                     args.profile,
+                    args.epoch_pause,
                 )
                 r.update(backend=backend, resampling=resampling, threads=threads)
                 results.append(r)
-                gpu = r["gpu_ms_per_batch"]
+                gpu, next_epoch = r["gpu_ms_per_batch"], r["next_epoch_first_batch_s"]
                 print(
                     f"{backend:5} resampling={resampling} threads={threads:2d}: "
                     f"{r['utterances_per_s']:7.0f} utt/s, {r['cores']:5.1f} cores, "
                     f"first batch after {r['first_batch_s']:.1f} s, "
+                    + (f"next epoch's after {next_epoch:.2f} s, " if next_epoch is not None else "")
                     + (f"GPU {gpu:.1f} ms/batch" if gpu is not None else "GPU time n/a"),
                     flush=True,
                 )

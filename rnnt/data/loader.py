@@ -27,6 +27,9 @@ data.resampling_device is cpu) uses soxr's HQ resampler in the workers: it is ab
 faster than the torch windowed-sinc resampler of rnnt.data.features, which serves the
 batched device path (data.resampling_device = gpu) where no CPU library can run.
 
+The workers read on across an epoch's end (and from one evaluation pass into the next) while
+the last steps and the evaluation run, so an epoch does not start with its loader cold.
+
 Randomness is a pure function of (training.seed, rank, epoch, batch position, slot): speed
 and dither do not depend on the number of workers, and a resumed run repeats them.
 """
@@ -234,13 +237,18 @@ class AudioDataset(Dataset):
 
 
 class _KeyedBatches:
-    """The index batches of one epoch from a start position, as (index, seed) keys for
-    AudioDataset. The DataLoader iterates it anew for every epoch_batches() call."""
+    """The index batches from a start position (epoch, batch) on, through that epoch and every
+    later one without end, as (index, seed) keys for AudioDataset: the DataLoader's workers
+    read on across an epoch's end, while the last steps and the evaluation run, instead of
+    starting the next epoch cold. The consumer takes one epoch at a time (`len` is an
+    epoch's batches). seeded_by_epoch=False (evaluation): every pass draws what the first did,
+    so that eval.py scores a checkpoint as the trainer's evaluation did."""
 
-    def __init__(self, plan, seed: int, rank: int) -> None:
+    def __init__(self, plan, seed: int, rank: int, seeded_by_epoch: bool = True) -> None:
         self.plan = plan
         self.seed = seed
         self.rank = rank
+        self.seeded_by_epoch = seeded_by_epoch
         self.epoch = 0
         self.start = 0
 
@@ -248,12 +256,15 @@ class _KeyedBatches:
         return len(self.plan)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        batches = self.plan.batches(self.epoch, self.start)
-        for batch_no, indices in enumerate(batches, start=self.start):
-            yield [
-                (i, derive_seed(self.seed, self.rank, self.epoch, batch_no, slot))
-                for slot, i in enumerate(indices)
-            ]
+        epoch, start = self.epoch, self.start
+        while True:
+            drawn = epoch if self.seeded_by_epoch else 0
+            for batch_no, indices in enumerate(self.plan.batches(epoch, start), start=start):
+                yield [
+                    (i, derive_seed(self.seed, self.rank, drawn, batch_no, slot))
+                    for slot, i in enumerate(indices)
+                ]
+            epoch, start = epoch + 1, 0
 
 
 class TorchFeatureLoader:
@@ -293,7 +304,10 @@ class TorchFeatureLoader:
         dataset = AudioDataset(
             utts, dataset_dir, cfg.features, train and not perturb_on_device, worker_extractor
         )
-        self.keyed = _KeyedBatches(plan, seed, rank)
+        self.keyed = _KeyedBatches(plan, seed, rank, seeded_by_epoch=train)
+        # the DataLoader's iterator over every epoch from `at` on, kept between epochs
+        self.ahead: Iterator | None = None
+        self.at: tuple[int, int] | None = None
         workers = data.num_threads
         self.loader = DataLoader(
             dataset,
@@ -324,12 +338,21 @@ class TorchFeatureLoader:
         return len(self.keyed)
 
     def __iter__(self) -> Iterator[FeatureBatch]:
-        return self.epoch_batches(0, 0)
+        """One pass over the batches (evaluation): after a pass that ran to its end, the next
+        one goes on with what the workers read ahead meanwhile."""
+        after = self.at[0] if self.at is not None and self.at[1] == 0 else 0
+        return self.epoch_batches(after, 0)
 
     def epoch_batches(self, epoch: int, start: int) -> Iterator[FeatureBatch]:
-        """The batches of `epoch` from its `start`-th on."""
-        self.keyed.epoch, self.keyed.start = epoch, start
-        for indices, batch_seed, padded, lens, unreadable in self.loader:
+        """The batches of `epoch` from its `start`-th on. Where the previous call ended at
+        that point, its iterator goes on with what the workers have read ahead; elsewhere (a
+        resume, an epoch left early) a new one starts there."""
+        if self.ahead is None or self.at != (epoch, start):
+            self.keyed.epoch, self.keyed.start = epoch, start
+            self.ahead, self.at = iter(self.loader), (epoch, start)
+        for position in range(start, len(self.keyed)):
+            indices, batch_seed, padded, lens, unreadable = next(self.ahead)
+            self.at = (epoch, position + 1) if position + 1 < len(self.keyed) else (epoch + 1, 0)
             self.unreadable.handle(unreadable, len(indices))
             if self.on_device:
                 feats, lens, host_lens = self._device_features(padded, lens, batch_seed)

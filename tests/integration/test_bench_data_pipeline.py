@@ -29,6 +29,8 @@ def test_bench_times_the_torch_loader_on_a_manifest(repo_root, corpus, tmp_path)
         "1",
         "--batches",
         "3",
+        "--epoch-pause",
+        "0.5",
         "--json",
         str(out),
     ]
@@ -40,4 +42,6 @@ def test_bench_times_the_torch_loader_on_a_manifest(repo_root, corpus, tmp_path)
     for row in report["results"]:
         assert row["utterances_per_s"] > 0 and row["cores"] > 0 and row["batches"] == 3
         assert 0 < row["first_batch_s"] < 120
+        # read ahead during the pause, unlike the first batch (which waited for the workers)
+        assert 0 <= row["next_epoch_first_batch_s"] < row["first_batch_s"] or not row["threads"]
         assert row["gpu_ms_per_batch"] is None  # the feature stage ran in the CPU workers

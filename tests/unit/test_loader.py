@@ -152,6 +152,48 @@ def test_training_is_seeded_per_epoch_and_resumes_exactly(corpus):
     assert len(_batches(resumed)) == 2
 
 
+def test_the_workers_read_on_across_epoch_ends(corpus):
+    """One DataLoader iterator serves consecutive epochs, so the workers prepare the next
+    epoch's first batches while the last steps and the evaluation run; the batches are those
+    of a loader started at that epoch."""
+    utts, _, root = corpus
+    loader = build_loader(_cfg(num_threads=2), utts, root, train=True)
+    loader.set_epoch(0)
+    _batches(loader)
+    reader = loader.backend.ahead
+    for epoch in (1, 2):
+        loader.set_epoch(epoch)
+        got = _batches(loader)
+        fresh = build_loader(_cfg(), utts, root, train=True)
+        fresh.set_epoch(epoch)
+        expected = _batches(fresh)
+        assert [b.utt_ids for b in got] == [b.utt_ids for b in expected]
+        assert all(torch.equal(a.feats, b.feats) for a, b in zip(got, expected))
+    assert loader.backend.ahead is reader
+    # an epoch left early, then another position: a new start there
+    loader.set_epoch(3)
+    next(iter(loader))
+    loader.load_state_dict({**loader.state_dict(), "epoch": 5, "batches_done": 1})
+    (last,) = _batches(loader)
+    fresh = build_loader(_cfg(), utts, root, train=True)
+    fresh.set_epoch(5)
+    assert last.utt_ids == _batches(fresh)[1].utt_ids
+
+
+def test_every_evaluation_pass_gives_the_first_ones_batches(corpus):
+    """The dither is drawn alike in every pass (eval.py scores as the trainer did), and later
+    passes go on with the batches the workers read ahead."""
+    utts, _, root = corpus
+    loader = build_loader(_cfg(num_threads=2), utts, root, train=False)
+    first = _batches(loader)
+    reader = loader.ahead
+    for _ in range(2):
+        again = _batches(loader)
+        assert [b.utt_ids for b in again] == [b.utt_ids for b in first]
+        assert all(torch.equal(a.feats, b.feats) for a, b in zip(again, first))
+    assert loader.ahead is reader
+
+
 def test_a_saved_position_loads_only_where_it_fits(corpus):
     utts, _, root = corpus
     loader = build_loader(_cfg(), utts, root, train=True)
