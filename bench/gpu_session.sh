@@ -28,7 +28,8 @@
 #                                         # PER_GPU=48 EPOCHS=30 TARGET=0.058 on 4 GPUs: the
 #                                         # convergence run's schedule, to the target
 #   bash bench/gpu_session.sh realstep    # the trainer's step on its audio vs synthetic batches
-#                                         # (BACKEND=torch|dali, RESAMPLING=gpu|cpu)
+#                                         # (BACKEND=torch|dali, RESAMPLING=gpu|cpu; PROFILE_FROM=
+#                                         # 30: torch.profiler over 5 steps of each)
 #   bash bench/gpu_session.sh converge    # the runs of configs/convergence/, in the background
 #   bash bench/gpu_session.sh fork        # more runs, from the fast run's first checkpoint past
 #                                         # the loss plateau
@@ -275,7 +276,10 @@ for line in open(sys.argv[1]):
     done
     for data in real synthetic; do
       extra=()
-      [ "$data" = synthetic ] && extra=(--set data.backend=synthetic
+      # PROFILE_FROM=step: torch.profiler over PROFILE_STEPS (5) steps from there, both runs
+      [ -n "${PROFILE_FROM:-}" ] && extra+=(--set training.profile_from_step="$PROFILE_FROM"
+        --set training.profile_steps="${PROFILE_STEPS:-5}")
+      [ "$data" = synthetic ] && extra+=(--set data.backend=synthetic
         --set data.synthetic_train_lengths=/tmp/sentences_train_lengths.tsv
         --set data.synthetic_val_lengths=/tmp/sentences_dev_lengths.tsv)
       python3 train.py configs/convergence/sentences.yaml --overwrite --set training.epochs=1 \
@@ -283,6 +287,9 @@ for line in open(sys.argv[1]):
         --set training.output_dir="/tmp/step_$data" "${extra[@]}" 2>&1 | tee "$OUT/realstep_$data.log" \
         | grep -v Warning
       cp "/tmp/step_$data/metrics.jsonl" "$OUT/realstep_${data}_metrics.jsonl"
+      for f in /tmp/step_"$data"/profile/*; do
+        [ -f "$f" ] && gzip -c "$f" > "$OUT/realstep_${data}_$(basename "$f").gz"
+      done
     done
     python3 scripts/plot_metrics.py "$OUT/realstep_real_metrics.jsonl" \
       "$OUT/realstep_synthetic_metrics.jsonl" --labels real synthetic --summary-only ;;

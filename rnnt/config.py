@@ -318,9 +318,15 @@ class TrainingConfig(_Section):
     # a known GPU (rnnt/flops.py), none on the CPU
     peak_tflops: float = 0.0
     deterministic: bool = False
+    # torch.profiler over steps [profile_from_step, + profile_steps) on every rank, written to
+    # OUTPUT_DIR/profile (rnnt/profiling.py); 0: off
+    profile_from_step: int = 0
+    profile_steps: int = 5
 
     def check(self) -> None:
         self.at_least(1, "batch_size", "grad_accumulation", "epochs", "log_frequency")
+        self.at_least(0, "profile_from_step")
+        self.at_least(1, "profile_steps")
         self.at_least(1, "keep_last_checkpoints", "max_consecutive_nonfinite")
         self.at_least(0, "num_cg", "save_every_epochs", "checkpoint_every_steps")
         self.at_least(0, "torch_threads", "peak_tflops", "target_wer")

@@ -48,6 +48,7 @@ from rnnt.optim.ema import EMA
 from rnnt.optim.loss_scaler import DynamicLossScaler
 from rnnt.optim.schedule import lr_at
 from rnnt.preemption import Preempted, PreemptionFlag
+from rnnt.profiling import StepProfiler
 from rnnt.run_log import RunLog
 from rnnt.seeds import rank_seeds
 from rnnt.throughput import StepParts, ThroughputWindow
@@ -111,6 +112,9 @@ class Trainer:
         if tcfg.deterministic:
             torch.use_deterministic_algorithms(True)
 
+        self.profiler = StepProfiler(
+            tcfg.profile_from_step, tcfg.profile_steps, self.out_dir, ctx.rank, ctx.device
+        )
         self._build_data()
         self._build_model()
 
@@ -477,6 +481,7 @@ class Trainer:
         self.window.start()
         loss = lr = None
         while True:
+            self.profiler.before_step(self.progress.step + 1)
             waited = time.perf_counter()
             batch = next(batches, None)
             self.window.waited_for_data(time.perf_counter() - waited)
@@ -485,6 +490,7 @@ class Trainer:
             lr = lr_at(self.progress.step + 1, self.progress.epoch, steps_per_epoch, cfg.optimizer)
             loss = self.train_step(batch, lr)
             self.progress.step += 1
+            self._say(self.profiler.after_step(self.progress.step))
             self.window.add_step(len(batch) * ctx.world_size, self.last_step_flops * ctx.world_size)
             if self.progress.step % log_every == 0:
                 self._log_point(loss, lr)
@@ -494,6 +500,10 @@ class Trainer:
                 self.save(background=True)
         if self.window.steps:  # the epoch's last, shorter window
             self._log_point(loss, lr)
+
+    def _say(self, line: str | None) -> None:
+        if line is not None:
+            self.log.info(line)
 
     def _stop_if_preempted(self) -> None:
         """At a step boundary: when any rank got a preemption signal, every rank saves its part
@@ -564,6 +574,7 @@ class Trainer:
             status = "success" if reached else "aborted"
         finally:
             ml.run_stop(status)
+            self._say(self.profiler.close())
             self.checkpoints.wait()
         # the final state, after the timed region (a run that raised keeps its last checkpoint)
         self.save(result.wer if result is not None else None)

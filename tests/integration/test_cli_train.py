@@ -351,3 +351,31 @@ def test_init_from_is_checked_before_training(capsys, tiny_sets, tmp_path):
         f"error: --init-from {inside}: lies inside training.output_dir {out}; start the new run "
         "in another training.output_dir"
     )
+
+
+def test_steps_are_profiled_where_asked(capsys, tiny_sets, tmp_path, corpus):
+    """training.profile_from_step: a Chrome trace and an operator table of those steps of the
+    real loop, the loader's work included."""
+    dev = tmp_path / "dev.jsonl"  # two utterances: the evaluation is not what is tested
+    dev.write_text("".join((corpus["root"] / "dev.jsonl").read_text().splitlines(True)[:2]))
+    out = tmp_path / "out"
+    sets = tiny_sets(
+        out,
+        f"data.val_manifests=[{dev}]",
+        "training.target_wer=0",
+        "training.profile_from_step=2",
+        "training.profile_steps=3",
+    )
+    assert main([str(TINY), *sets]) == 0
+    stem = out / "profile" / "rank0_steps2-4"
+    assert f"profiled steps 2-4: {stem}.json, by time in {stem}.txt" in capsys.readouterr().out
+    events = json.loads(stem.with_suffix(".json").read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert "aten::lstm" in names  # the model's steps
+    assert any(n.startswith("aten::stft") or n.startswith("aten::fft") for n in names)  # features
+    assert "aten::lstm" in stem.with_suffix(".txt").read_text()
+
+
+def test_a_profile_window_needs_steps(capsys, tiny_sets, tmp_path):
+    line = one_line_error(capsys, *tiny_sets(tmp_path / "out", "training.profile_steps=0"))
+    assert line.endswith(": training.profile_steps: must be >= 1, got 0")
