@@ -113,7 +113,7 @@ runs=results/convergence
 # a multi-GPU run to the target. WORKERS: loader processes per run (default: the share of
 # cores less two, at most 14).
 start_runs() {
-  local from=$1 prefix=$2
+  local from=$1 prefix=$2  # with a checkpoint: $fork_to, the epoch to train to
   shift 2
   mkdir -p "$runs"
   local src mem_gib share workers fast_gpus
@@ -134,7 +134,7 @@ start_runs() {
       [ "$mem_gib" -lt 100 ] && extra=(--set training.batch_size=96 --set training.grad_accumulation=2)
     fi
     if [ -n "$from" ]; then
-      extra+=(--init-from "$from" --set training.epochs="${FORK_TO:-14}" --set training.target_wer=0)
+      extra+=(--init-from "$from" --set training.epochs="$fork_to" --set training.target_wer=0)
     fi
     gpu=$(( (${FIRST_GPU:-0} + i) % gpus )) n=1 launch=(python3)
     i=$(( i + 1 ))
@@ -317,8 +317,8 @@ for line in open(sys.argv[1]):
     # from scratch: the first one whose dev WER is below FORK_WER (default 0.95), so after the
     # run has left the loss plateau whose end varies by 1,000 steps between runs
     # (docs/CONVERGENCE.md). FORKS names them (default "plain_s1 plain_s2 fast_s2"); they train
-    # to epoch FORK_TO (default 14), target off. Waits up to WAIT_S for that checkpoint, and
-    # copies it beside the runs, out of reach of the fast run's retention.
+    # FORK_EPOCHS (default 6) epochs past it, target off. Waits up to WAIT_S for that
+    # checkpoint, and copies it beside the runs, out of reach of the fast run's retention.
     deadline=$(( $(date +%s) + ${WAIT_S:-540} )) ckpt=""
     while [ -z "$ckpt" ] && [ "$(date +%s)" -lt "$deadline" ]; do
       ckpt=$(python3 - "$runs/${FAST_RUN:-fast_s1}/checkpoints" "${FORK_WER:-0.95}" <<'PY'
@@ -338,8 +338,10 @@ PY
     copy=$runs/start_$(basename "$ckpt")
     rm -rf "$copy" && cp -a "$ckpt" "$copy"
     echo "fork: from $ckpt ($(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["meta"])' "$copy/complete.json"))"
+    done_epochs=$(basename "$ckpt" | cut -d_ -f2 | tr -d e)
+    fork_to=$(( done_epochs + ${FORK_EPOCHS:-6} ))
     # shellcheck disable=SC2086
-    start_runs "$PWD/$copy" "from_$(basename "$ckpt" | cut -d_ -f2)_" ${FORKS:-plain_s1 plain_s2 fast_s2} ;;
+    start_runs "$PWD/$copy" "from_e${done_epochs}_" ${FORKS:-plain_s1 plain_s2 fast_s2} ;;
   wait)
     # until every run of `converge` has ended, or this call's time is nearly up
     deadline=$(( $(date +%s) + ${WAIT_S:-540} ))
