@@ -353,27 +353,37 @@ def test_init_from_is_checked_before_training(capsys, tiny_sets, tmp_path):
     )
 
 
-def test_steps_are_profiled_where_asked(capsys, tiny_sets, tmp_path, corpus):
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], ids=["cpu", "cuda"]
+)
+def test_steps_are_profiled_where_asked(capsys, tiny_sets, tmp_path, corpus, device):
     """training.profile_from_step: a Chrome trace and an operator table of those steps of the
-    real loop, the loader's work included."""
+    real loop, the loader's work included; on a GPU, its kernels by device time."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
     dev = tmp_path / "dev.jsonl"  # two utterances: the evaluation is not what is tested
     dev.write_text("".join((corpus["root"] / "dev.jsonl").read_text().splitlines(True)[:2]))
     out = tmp_path / "out"
     sets = tiny_sets(
         out,
         f"data.val_manifests=[{dev}]",
+        f"data.device={'gpu' if device == 'cuda' else 'cpu'}",
         "training.target_wer=0",
         "training.profile_from_step=2",
         "training.profile_steps=3",
     )
-    assert main([str(TINY), *sets]) == 0
+    assert main([str(TINY), "--device", device, *sets]) == 0
     stem = out / "profile" / "rank0_steps2-4"
     assert f"profiled steps 2-4: {stem}.json, by time in {stem}.txt" in capsys.readouterr().out
     events = json.loads(stem.with_suffix(".json").read_text())["traceEvents"]
     names = {e.get("name", "") for e in events}
     assert "aten::lstm" in names  # the model's steps
     assert any(n.startswith("aten::stft") or n.startswith("aten::fft") for n in names)  # features
-    assert "aten::lstm" in stem.with_suffix(".txt").read_text()
+    table = stem.with_suffix(".txt").read_text()
+    assert "aten::lstm" in table
+    if device == "cuda":
+        assert "CUDA total" in table
+        assert any(e.get("cat") == "kernel" for e in events)
 
 
 def test_a_profile_window_needs_steps(capsys, tiny_sets, tmp_path):
