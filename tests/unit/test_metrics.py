@@ -31,6 +31,20 @@ def test_word_errors_match_jiwer_on_random_pairs():
         assert n_ref == len(ref.split())
 
 
+def test_long_transcripts_match_jiwer():
+    """Past 64 reference words the bit vectors span several machine words (Python ints)."""
+    rng = random.Random(2)
+    for _ in range(60):
+        ref, hyp = _sentence(rng, 240), _sentence(rng, 240)
+        if rng.random() < 0.5:
+            words = ref.split()
+            for _ in range(rng.randint(1, 8)):
+                if words:
+                    words[rng.randrange(len(words))] = rng.choice(WORDS + ["dog"])
+            hyp = " ".join(words)
+        assert word_errors(hyp, ref)[0] == _jiwer_edits(hyp, ref), (hyp, ref)
+
+
 def test_corpus_wer_matches_jiwer_including_empty_hypotheses_and_references():
     rng = random.Random(1)
     for _ in range(50):
