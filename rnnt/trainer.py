@@ -245,7 +245,14 @@ class Trainer:
         continues bit for bit as the run that saved it would have). same_run=False (another
         run's checkpoint, `start_from`): keep this run's id and draw its own random streams."""
         main = states["model"]
-        self.model.load_state_dict(main["model"])
+        try:
+            self.model.load_state_dict(main["model"])
+        except RuntimeError as err:  # missing keys or other shapes: another model config
+            first = str(err).strip().splitlines()
+            reason = first[1].strip() if len(first) > 1 else first[0]
+            raise CheckpointError(
+                f"{checkpoint.path}: its weights do not fit this config's model ({reason})"
+            ) from None
         shards = [v["optimizer"] for k, v in states.items() if k.startswith("rank")]
         self.optimizer.load_state_dicts(shards)
         ema = main["ema"]

@@ -323,6 +323,11 @@ def test_a_run_starts_from_another_runs_checkpoint(capsys, tiny_sets, tmp_path, 
     assert [r["epoch"] for r in read_metrics(second / METRICS_FILE) if r["kind"] == "eval"] == [2]
     assert sorted(p.name for p in first.rglob("*")) == before
 
+    # a checkpoint of another model: one line naming it and the first mismatch
+    other = tiny_sets(tmp_path / "other", *common, "model.pred_n_hid=24")
+    line = one_line_error(capsys, "--init-from", str(start), *other)
+    assert line.startswith(f"error: {start}: its weights do not fit this config's model (size ")
+
     # with nothing left to train, the saved state is the checkpoint's own weights
     third = tmp_path / "third"
     sets = tiny_sets(third, *common, "training.epochs=1", "training.seed=5")
