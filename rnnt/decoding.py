@@ -442,7 +442,10 @@ class GreedyDecoder:
                     body()
             torch.cuda.current_stream().wait_stream(capture_stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=capture_stream):
+            # thread_local: the loaders' threads keep pinning host memory during a capture
+            # (read-ahead crosses into evaluation), and under the default global mode any
+            # thread's cudaHostAlloc invalidates the capture of this thread
+            with torch.cuda.graph(graph, stream=capture_stream, capture_error_mode="thread_local"):
                 body()
             torch.cuda.synchronize(device)
         return graph

@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 import torch
 
@@ -201,6 +203,43 @@ def test_cuda_graph_modes_match_no_cg_and_reference(dtype):
             finally:
                 torch.cuda.set_sync_debug_mode(0)
             assert out == expected, mode
+
+
+@pytest.mark.gpu
+def test_graphs_are_captured_while_a_loader_thread_pins_host_memory():
+    """The trainer's loaders keep pinning the next batches in their own threads while the
+    first evaluation captures the decoder's graphs; a capture that any thread's host
+    allocation could invalidate crashed a convergence run there."""
+    model = _model(seed=41).cuda()
+    _set_blank_bias(model, 1.0)
+    f, f_lens = (t.cuda() for t in _encoder_output(42, [30, 7, 19]))
+    expected = decode_reference(model, f, f_lens, model.blank_idx, 3, 30)
+    stop, started, failures = threading.Event(), threading.Event(), []
+
+    def pin_like_a_loader() -> None:
+        held = []  # kept alive, so each pin is a fresh cudaHostAlloc
+        try:
+            while not stop.is_set() and len(held) < 4000:
+                held.append(torch.empty(1 << 16).pin_memory())
+                started.set()
+        except Exception as err:  # handed to the test thread
+            failures.append(err)
+        started.set()
+
+    pinner = threading.Thread(target=pin_like_a_loader)
+    pinner.start()
+    try:
+        started.wait(timeout=30)
+        outs = []
+        for _ in range(4):  # each new decoder captures on its first batch
+            for mode in ("cg", "cg_unroll_pipeline"):
+                decoder = GreedyDecoder(model, model.blank_idx, 3, 30, mode=mode, batch_size=3)
+                outs.append(decoder.decode(f, f_lens))
+    finally:
+        stop.set()
+        pinner.join()
+    assert not failures
+    assert all(out == expected for out in outs)
 
 
 @pytest.mark.gpu
