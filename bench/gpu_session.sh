@@ -111,7 +111,7 @@ runs=results/convergence
 # run under torchrun on n GPUs from its own, with 192 / n per GPU: the sampler deals the same
 # global batches to any number of ranks, so the run sees the plain runs' data, and its log is
 # a multi-GPU run to the target. WORKERS: loader processes per run (default: the share of
-# cores less two, at most 14).
+# cores less two, at most 14). SETS: more `key=value` overrides for every run.
 start_runs() {
   local from=$1 prefix=$2  # with a checkpoint: $fork_to, the epoch to train to
   shift 2
@@ -129,6 +129,7 @@ start_runs() {
   for name in "$@"; do
     path=${name%_s*} seed=${name##*_s}
     config=configs/convergence/sentences.yaml extra=()
+    for kv in ${SETS:-}; do extra+=(--set "$kv"); done
     if [ "$path" = plain ]; then
       config=configs/convergence/sentences_plain.yaml
       [ "$mem_gib" -lt 100 ] && extra=(--set training.batch_size=96 --set training.grad_accumulation=2)
@@ -332,7 +333,7 @@ for done in Path(sys.argv[1]).glob("ckpt_e*/complete.json"):
 print(min(found)[1] if found else "")
 PY
 )
-      [ -z "$ckpt" ] && sleep 5
+      [ -z "$ckpt" ] && { echo "$(date +%T) $(ls "$runs/${FAST_RUN:-fast_s1}/checkpoints" 2>/dev/null | tr '\n' ' ')"; sleep 5; }
     done
     [ -n "$ckpt" ] || { echo "fork: no checkpoint below dev WER ${FORK_WER:-0.95} yet"; exit 1; }
     copy=$runs/start_$(basename "$ckpt")

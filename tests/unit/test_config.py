@@ -115,6 +115,13 @@ def test_every_config_loads_and_every_system_overlay_fits_its_machine(path):
         check_system(cfg, ranks, cfg.training.batch_size * cfg.training.grad_accumulation * ranks)
 
 
+def test_the_convergence_runs_keep_the_checkpoints_that_forks_start_from(repo_root):
+    for name in ("sentences.yaml", "sentences_plain.yaml"):
+        cfg = load_config(repo_root / "configs/convergence" / name)
+        assert cfg.training.save_every_epochs == 1, name
+        assert cfg.training.keep_last_checkpoints >= 2, name
+
+
 def test_the_run_must_match_its_system_and_its_preset(repo_root):
     from rnnt.trainer import check_system
 
