@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from rnnt.config import ConfigError
 from rnnt.errors import UserError
 
 
@@ -97,10 +98,13 @@ class BucketingSampler:
         ]
         smallest = min(len(b) for b in self.buckets)
         if smallest < global_batch_size:
+            # the training set's size decides it, so train.py names the keys (one line, not a
+            # traceback)
             hint = ": use fewer buckets" if num_buckets > 1 else ""
-            raise ValueError(
-                f"{n} utterances in {num_buckets} bucket(s) leave a bucket of {smallest}, "
-                f"fewer than one global batch of {global_batch_size}{hint}"
+            raise ConfigError(
+                f"data.num_buckets {num_buckets}: {n} utterances leave a bucket of {smallest}, "
+                f"fewer than one global batch of {global_batch_size} (training.batch_size x "
+                f"grad_accumulation x ranks){hint}"
             )
         self.global_batch_size = global_batch_size
         self.local_batch_size = global_batch_size // world_size

@@ -31,6 +31,15 @@ def one_line_error(capsys, *argv) -> str:
     return last
 
 
+def test_too_many_buckets_for_the_training_set_is_one_line(capsys, tiny_sets, tmp_path):
+    line = one_line_error(capsys, *tiny_sets(tmp_path / "out", "data.num_buckets=40"))
+    assert line.startswith("error: data.num_buckets 40: 48 utterances leave a bucket of 1,")
+    assert line.endswith(
+        "fewer than one global batch of 8 (training.batch_size x "
+        "grad_accumulation x ranks): use fewer buckets"
+    )
+
+
 def test_unknown_data_device_names_the_key(capsys, tiny_sets, tmp_path):
     line = one_line_error(capsys, *tiny_sets(tmp_path / "out", "data.device=tpu"))
     assert line == (
