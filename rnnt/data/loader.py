@@ -337,6 +337,14 @@ class TorchFeatureLoader:
     def __len__(self) -> int:
         return len(self.keyed)
 
+    def read_ahead(self) -> None:
+        """Set the workers on the first pass now, so that its batches wait ready when the
+        pass begins (the trainer calls this at the run's start, for the first evaluation);
+        a loader already reading goes on as it is."""
+        if self.ahead is None:
+            self.keyed.epoch, self.keyed.start = 0, 0
+            self.ahead, self.at = iter(self.loader), (0, 0)
+
     def __iter__(self) -> Iterator[FeatureBatch]:
         """One pass over the batches (evaluation): after a pass that ran to its end, the next
         one goes on with what the workers read ahead meanwhile."""

@@ -347,3 +347,15 @@ def test_accumulation_split_keeps_host_lengths_aligned_with_the_batch():
     for part in parts:
         assert torch.equal(part.host_lens[0], part.feat_lens)
         assert torch.equal(part.host_lens[1], part.token_lens)
+
+
+def test_the_dev_set_is_read_while_the_first_epoch_trains(corpus, tmp_path):
+    """Its workers start halfway through the epoch; the first evaluation takes their batches."""
+    trainer = Trainer(make_cfg(corpus, tmp_path / "run", "data.num_threads=1"), CPU)
+    assert trainer.data.val.ahead is None
+    trainer.train_epoch()
+    reader = trainer.data.val.ahead
+    assert reader is not None
+    result = trainer.run_eval()
+    assert trainer.data.val.ahead is reader
+    assert result.utterances == 12

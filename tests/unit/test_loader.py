@@ -194,6 +194,23 @@ def test_every_evaluation_pass_gives_the_first_ones_batches(corpus):
     assert loader.ahead is reader
 
 
+def test_the_first_pass_can_be_read_before_it_is_asked_for(corpus):
+    """The trainer starts the dev set's workers at the run's start; the first pass then
+    takes what they read, and gives the batches of a loader that was not started early."""
+    utts, _, root = corpus
+    loader = build_loader(_cfg(num_threads=2), utts, root, train=False)
+    loader.read_ahead()
+    reader = loader.ahead
+    assert reader is not None
+    loader.read_ahead()  # already reading: unchanged
+    assert loader.ahead is reader
+    early = _batches(loader)
+    assert loader.ahead is reader
+    expected = _batches(build_loader(_cfg(num_threads=2), utts, root, train=False))
+    assert [b.utt_ids for b in early] == [b.utt_ids for b in expected]
+    assert all(torch.equal(a.feats, b.feats) for a, b in zip(early, expected))
+
+
 def test_a_saved_position_loads_only_where_it_fits(corpus):
     utts, _, root = corpus
     loader = build_loader(_cfg(), utts, root, train=True)
