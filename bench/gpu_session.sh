@@ -28,13 +28,18 @@
 #                                         # PER_GPU=48 EPOCHS=30 TARGET=0.058 on 4 GPUs: the
 #                                         # convergence run's schedule, to the target
 #   bash bench/gpu_session.sh realstep    # the trainer's step on its audio vs synthetic batches
-#                                         # (BACKEND=torch|dali, RESAMPLING=gpu|cpu; PROFILE_FROM=
-#                                         # 30: torch.profiler over 5 steps of each)
+#                                         # (BACKEND=torch|dali, RESAMPLING=gpu|cpu, WORKERS=8;
+#                                         # PROFILE_FROM=30: torch.profiler over 5 steps of each)
 #   bash bench/gpu_session.sh converge    # the runs of configs/convergence/, in the background
 #   bash bench/gpu_session.sh fork        # more runs, from the fast run's first checkpoint past
 #                                         # the loss plateau
 #   bash bench/gpu_session.sh wait        # until they end (or this call's time); their metrics
 #   bash bench/gpu_session.sh evalparity  # eval.py in every decoder mode; compliance checker
+#   bash bench/gpu_session.sh bundle      # $OUT's files in one $OUT/results.tar.gz (the device
+#                                         # tool brings back at most 8 files a call)
+#
+# The machine goes back after 30 s without a call, with everything on it (the corpus, the
+# runs in the background): keep the calls coming back to back until the last one.
 # DALI travels in parts, one per call (.carry/dali, made by bench/dali_parts.sh); each call
 # keeps its part in /tmp/dali_parts, and the call that has them all unpacks DALI.
 #
@@ -48,7 +53,7 @@ if [ -n "${ON_GPU:-}" ]; then
   exec env ON_GPU= CUDA_VISIBLE_DEVICES="$ON_GPU" taskset -c "$first-$(( first + share - 1 ))" \
     bash "$0" "$@"
 fi
-phase=${1:?phase: tests | loss | step | lstm | resample | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | fork | wait | evalparity}
+phase=${1:?phase: tests | loss | step | lstm | resample | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | fork | wait | evalparity | bundle}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
 # the spoken-digits corpus the distributed tests train on (this machine has no espeak-ng):
@@ -285,6 +290,7 @@ for line in open(sys.argv[1]):
         --set data.synthetic_val_lengths=/tmp/sentences_dev_lengths.tsv)
       python3 train.py configs/convergence/sentences.yaml --overwrite --set training.epochs=1 \
         --set data.backend="${BACKEND:-torch}" --set data.resampling_device="${RESAMPLING:-gpu}" \
+        --set data.num_threads="${WORKERS:-8}" \
         --set training.output_dir="/tmp/step_$data" "${extra[@]}" 2>&1 | tee "$OUT/realstep_$data.log" \
         | grep -v Warning
       cp "/tmp/step_$data/metrics.jsonl" "$OUT/realstep_${data}_metrics.jsonl"
@@ -333,7 +339,7 @@ for done in Path(sys.argv[1]).glob("ckpt_e*/complete.json"):
 print(min(found)[1] if found else "")
 PY
 )
-      [ -z "$ckpt" ] && { echo "$(date +%T) $(ls "$runs/${FAST_RUN:-fast_s1}/checkpoints" 2>/dev/null | tr '\n' ' ')"; sleep 5; }
+      [ -z "$ckpt" ] && { echo "$(date +%T) $(find "$runs/${FAST_RUN:-fast_s1}/checkpoints" -mindepth 1 -maxdepth 1 -printf '%f ' 2>/dev/null)"; sleep 5; }
     done
     [ -n "$ckpt" ] || { echo "fork: no checkpoint below dev WER ${FORK_WER:-0.95} yet"; exit 1; }
     copy=$runs/start_$(basename "$ckpt")
@@ -369,5 +375,9 @@ PY
     python3 -m mlperf_logging.compliance_checker --usage training --ruleset 3.1.0 \
       --log_output "$OUT/compliance_checker.log" "$log" 2>&1 | tail -n 3
     cp "$log" "$OUT/fast_mlperf.log" ;;
+  bundle)
+    tar -czf /tmp/results.tar.gz -C "$OUT" --exclude results.tar.gz . \
+      && find "$OUT" -mindepth 1 -delete && mv /tmp/results.tar.gz "$OUT/" \
+      && echo "$OUT/results.tar.gz: $(du -h "$OUT/results.tar.gz" | cut -f1)" ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
