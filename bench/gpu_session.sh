@@ -28,8 +28,9 @@
 #                                         # PER_GPU=48 EPOCHS=30 TARGET=0.058 on 4 GPUs: the
 #                                         # convergence run's schedule, to the target
 #   bash bench/gpu_session.sh realstep    # the trainer's step on its audio vs synthetic batches
-#                                         # (BACKEND=torch|dali, RESAMPLING=gpu|cpu, WORKERS=8;
-#                                         # PROFILE_FROM=30: torch.profiler over 5 steps of each)
+#                                         # (BACKEND=torch|dali, RESAMPLING=gpu|cpu, WORKERS=8,
+#                                         # SETS="key=value ..."; PROFILE_FROM=30: torch.profiler
+#                                         # over 5 steps of each)
 #   bash bench/gpu_session.sh converge    # the runs of configs/convergence/, in the background
 #   bash bench/gpu_session.sh fork        # more runs, from the fast run's first checkpoint past
 #                                         # the loss plateau
@@ -282,6 +283,7 @@ for line in open(sys.argv[1]):
     done
     for data in real synthetic; do
       extra=()
+      for kv in ${SETS:-}; do extra+=(--set "$kv"); done
       # PROFILE_FROM=step: torch.profiler over PROFILE_STEPS (5) steps from there, both runs
       [ -n "${PROFILE_FROM:-}" ] && extra+=(--set training.profile_from_step="$PROFILE_FROM"
         --set training.profile_steps="${PROFILE_STEPS:-5}")
