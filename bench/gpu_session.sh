@@ -273,13 +273,15 @@ case "$phase" in
       ${PROFILE:+--profile} --json "$OUT/data_pipeline_$tag.json" 2>&1 | tee "$OUT/data_pipeline_$tag.log" ;;
   realstep)
     # the fast path's trainer for one epoch on the corpus's audio, then on synthetic batches of
-    # the same utterances' lengths and transcripts (a lengths table written from the manifest)
+    # the same utterances' lengths and transcripts (a lengths table written from the manifest);
+    # in a folder of its own, so that several can run side by side (ON_GPU)
+    work=$(mktemp -d /tmp/realstep.XXXX)
     for split in train dev; do
       python3 -c 'import json, sys
 for line in open(sys.argv[1]):
     u = json.loads(line)
     print(u["utt_id"], u["duration"], u["transcript"], sep="\t")' \
-        "$corpus/sentences-$split.jsonl" > "/tmp/sentences_${split}_lengths.tsv"
+        "$corpus/sentences-$split.jsonl" > "$work/sentences_${split}_lengths.tsv"
     done
     for data in real synthetic; do
       extra=()
@@ -288,15 +290,15 @@ for line in open(sys.argv[1]):
       [ -n "${PROFILE_FROM:-}" ] && extra+=(--set training.profile_from_step="$PROFILE_FROM"
         --set training.profile_steps="${PROFILE_STEPS:-5}")
       [ "$data" = synthetic ] && extra+=(--set data.backend=synthetic
-        --set data.synthetic_train_lengths=/tmp/sentences_train_lengths.tsv
-        --set data.synthetic_val_lengths=/tmp/sentences_dev_lengths.tsv)
+        --set data.synthetic_train_lengths="$work/sentences_train_lengths.tsv"
+        --set data.synthetic_val_lengths="$work/sentences_dev_lengths.tsv")
       python3 train.py configs/convergence/sentences.yaml --overwrite --set training.epochs=1 \
         --set data.backend="${BACKEND:-torch}" --set data.resampling_device="${RESAMPLING:-gpu}" \
         --set data.num_threads="${WORKERS:-8}" \
-        --set training.output_dir="/tmp/step_$data" "${extra[@]}" 2>&1 | tee "$OUT/realstep_$data.log" \
+        --set training.output_dir="$work/step_$data" "${extra[@]}" 2>&1 | tee "$OUT/realstep_$data.log" \
         | grep -v Warning
-      cp "/tmp/step_$data/metrics.jsonl" "$OUT/realstep_${data}_metrics.jsonl"
-      for f in /tmp/step_"$data"/profile/*; do
+      cp "$work/step_$data/metrics.jsonl" "$OUT/realstep_${data}_metrics.jsonl"
+      for f in "$work/step_$data"/profile/*; do
         [ -f "$f" ] && gzip -c "$f" > "$OUT/realstep_${data}_$(basename "$f").gz"
       done
     done
