@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,8 +56,13 @@ def evaluate(
     rows: list[tuple[str, str, str]] = []
     errors = words = 0
     data_seconds = 0.0
-    for batch, waited in _fetched_while_decoding(loader, ctx.device):
-        data_seconds += waited
+    batches = iter(loader)
+    while True:
+        asked = time.perf_counter()
+        batch = next(batches, None)
+        data_seconds += time.perf_counter() - asked
+        if batch is None:
+            break
         batch = transform(batch.to(ctx.device))
         tokens = decoder(batch.feats, batch.feat_lens)
         for utt_id, hyp_ids, ref in zip(batch.utt_ids, tokens, batch.transcripts):
@@ -75,38 +78,6 @@ def evaluate(
         torch.cuda.synchronize(ctx.device)
     seconds = time.perf_counter() - start
     return EvalResult(errors / max(words, 1), errors, words, count, seconds, data_seconds, rows)
-
-
-def _fetched_while_decoding(loader, device: torch.device) -> Iterator[tuple[object, float]]:
-    """(batch, seconds the caller waited for it) for each of `loader`'s batches; from the
-    second on, each is fetched on a helper thread while the caller decodes the one before.
-
-    With data.device = gpu a fetch ends in the feature stage and the host copy of its lengths:
-    on an H200 about 0.26 s of a 1.0 s dev pass, in which the decoder's small kernels would
-    leave the GPU mostly idle. The first batch is decoded before any fetch runs beside it:
-    its decode captures the decoder's graphs (every later batch is shorter: the dev set is
-    sorted longest first), and a capture is best left with the GPU to itself."""
-    batches = iter(loader)
-
-    def on_this_device() -> None:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # a new thread starts on device 0
-
-    asked = time.perf_counter()
-    batch = next(batches, None)
-    if batch is None:
-        return
-    yield batch, time.perf_counter() - asked
-    with ThreadPoolExecutor(1, "eval-ahead", initializer=on_this_device) as ahead:
-        pending = ahead.submit(next, batches, None)
-        while True:
-            asked = time.perf_counter()
-            batch = pending.result()
-            waited = time.perf_counter() - asked
-            if batch is None:
-                return
-            pending = ahead.submit(next, batches, None)
-            yield batch, waited
 
 
 def build_decoder(cfg: Config, model: RNNT) -> GreedyDecoder:
