@@ -340,8 +340,8 @@ class TorchFeatureLoader:
 
     def read_ahead(self) -> None:
         """Set the workers on the first pass now, so that its batches wait ready when the
-        pass begins (the trainer calls this at the run's start, for the first evaluation);
-        a loader already reading goes on as it is."""
+        pass begins (the trainer calls this halfway through the first epoch, for the first
+        evaluation); a loader already reading goes on as it is."""
         if self.ahead is None:
             self.keyed.epoch, self.keyed.start = 0, 0
             self.ahead, self.at = iter(self.loader), (0, 0)
