@@ -198,7 +198,7 @@ def test_every_evaluation_pass_gives_the_first_ones_batches(corpus):
 
 
 def test_the_first_pass_can_be_read_before_it_is_asked_for(corpus):
-    """The trainer starts the dev set's workers at the run's start; the first pass then
+    """The trainer starts the dev set's workers during the first epoch; the first pass then
     takes what they read, and gives the batches of a loader that was not started early."""
     utts, _, root = corpus
     loader = build_loader(_cfg(num_threads=2), utts, root, train=False)
