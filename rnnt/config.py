@@ -216,6 +216,9 @@ class DataConfig(_Section):
     device: Place = "gpu"  # where the feature stage runs
     resampling_device: Place = "cpu"
     num_threads: int = 4
+    # torch backend, data.device gpu: batches whose feature stage is queued on the GPU ahead
+    # of the one the trainer takes (0: computed when taken, the host waiting for it)
+    device_prefetch: int = 1
     # exclude and count the utterances the preflight finds bad (manifest line, audio path,
     # tokens) and drop those that cannot be read in training, instead of stopping the run
     skip_bad: bool = False
@@ -232,7 +235,7 @@ class DataConfig(_Section):
             self.max_duration > 0, "max_duration", f"must be positive, got {self.max_duration}"
         )
         self.at_least(1, "num_buckets")
-        self.at_least(0, "num_threads", "synthetic_steps_per_epoch")
+        self.at_least(0, "num_threads", "device_prefetch", "synthetic_steps_per_epoch")
         # the resampler runs inside the batched feature stage on the device
         self.require(
             self.resampling_device == "cpu" or self.device == "gpu",

@@ -22,6 +22,9 @@ Torch backend, where the work happens:
   about 50 twelve-second utterances per second per core (bench/data_pipeline.py, AMD EPYC),
   so 16 cores give some 800 utterances/s, below the ~1,740/s one H100 trains on, while the
   batched STFT is a small fraction of a training step on the GPU.
+  The stage of the next `data.device_prefetch` batches is queued before a batch is handed
+  over, with its lengths' host copy, so the trainer never waits for it: it runs on the SMs
+  that the step's recurrences leave idle.
 Resampling on the CPU (files not at features.sample_rate, and speed perturbation when
 data.resampling_device is cpu) uses soxr's HQ resampler in the workers: it is about 500 times
 faster than the torch windowed-sinc resampler of rnnt.data.features, which serves the
@@ -36,6 +39,7 @@ and dither do not depend on the number of workers, and a resumed run repeats the
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
 import multiprocessing.forkserver
@@ -292,14 +296,20 @@ class TorchFeatureLoader:
         perturb_on_device = train and data.resampling_device == "gpu"
         worker_extractor = None
         self.stream = None
+        # batches whose device stage is queued ahead of the one handed out (torch, data.device
+        # gpu): the host then never waits for the stage, which runs beside the training step
+        self.prefetch = data.device_prefetch if data.device == "gpu" else 0
         if self.on_device:
             self.extractor = FeatureExtractor(cfg.features, train, perturb_on_device).to(device)
             if device.type == "cuda":
-                # The highest priority: the stage's kernels are queued while the previous
-                # training step still fills the GPU, and the host waits for them (the lengths'
-                # copy) before it can queue the next step. At the default priority they ran
-                # after most of that step, so each step waited for the last one and the stage.
-                self.stream = torch.cuda.Stream(device, priority=HIGHEST_STREAM_PRIORITY)
+                # Queued ahead, the stage runs at the lowest priority: the wave kernels fill
+                # under half of the SMs, and the stage's kernels take the others without
+                # delaying the step's. Computed when asked for (no prefetch), the host waits
+                # for its lengths before it can queue the next step, so the stage takes the
+                # highest: at the default priority it ran after most of the step, and each
+                # step waited for the last one and the stage.
+                priority = 0 if self.prefetch else HIGHEST_STREAM_PRIORITY
+                self.stream = torch.cuda.Stream(device, priority=priority)
         else:
             worker_extractor = FeatureExtractor(cfg.features, train, speed_perturb=False)
         dataset = AudioDataset(
@@ -359,47 +369,78 @@ class TorchFeatureLoader:
         if self.ahead is None or self.at != (epoch, start):
             self.keyed.epoch, self.keyed.start = epoch, start
             self.ahead, self.at = iter(self.loader), (epoch, start)
-        for position in range(start, len(self.keyed)):
-            indices, batch_seed, padded, lens, unreadable = next(self.ahead)
-            self.at = (epoch, position + 1) if position + 1 < len(self.keyed) else (epoch + 1, 0)
-            self.unreadable.handle(unreadable, len(indices))
-            if self.on_device:
-                feats, lens, host_lens = self._device_features(padded, lens, batch_seed)
-                yield self.assembler(indices, feats, lens, host_lens)
-            else:
-                yield self.assembler(indices, padded, lens)
+        queued: collections.deque[tuple] = collections.deque()
+        read = start
+        for _ in range(start, len(self.keyed)):
+            # the batch to hand out, and the `prefetch` after it, are queued (GPU: launched)
+            while read < len(self.keyed) and len(queued) <= self.prefetch:
+                queued.append(self._queue(next(self.ahead)))
+                read += 1
+                self.at = (epoch, read) if read < len(self.keyed) else (epoch + 1, 0)
+            yield self._hand_over(queued.popleft())
+
+    def _queue(self, raw: tuple) -> tuple:
+        """A batch from the workers, with its device stage launched (data.device gpu)."""
+        indices, batch_seed, padded, lens, unreadable = raw
+        self.unreadable.handle(unreadable, len(indices))
+        if not self.on_device:
+            return indices, padded, lens, None
+        return indices, *self._launch(padded, lens, batch_seed)
+
+    def _hand_over(self, queued: tuple) -> FeatureBatch:
+        indices, feats, lens, pending = queued
+        if pending is None:
+            return self.assembler(indices, feats, lens)
+        return self.assembler(indices, *self._finish(feats, lens, pending))
 
     def _device_features(
         self, padded: torch.Tensor, lens: torch.Tensor, batch_seed: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Features of a padded waveform batch on `device`, with their host lengths.
+        """Features of a padded waveform batch on `device`, with their host lengths, at once."""
+        return self._finish(*self._launch(padded, lens, batch_seed))
 
-        On a GPU they are computed on a side stream: the training step queued before this
-        call keeps the GPU busy meanwhile, and the lengths' host copy (a sync) waits for this
-        stream alone. On the default stream that copy would wait for the whole previous step,
-        and the GPU would idle while the host queued the next one."""
+    def _launch(
+        self, padded: torch.Tensor, lens: torch.Tensor, batch_seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """Queue the feature stage of a batch; `_finish` waits for it.
+
+        On a GPU it runs on a side stream: the training step queued before it keeps the GPU
+        busy meanwhile, and the lengths' host copy waits for this stream alone. On the default
+        stream that copy would wait for the whole previous step, and the GPU would idle while
+        the host queued the next one."""
         if self.stream is None:
-            return self._extract(padded, lens, batch_seed)
-        consumer = torch.cuda.current_stream(self.device)
+            feats, lens = self._extract(padded, lens, batch_seed)
+            return feats, lens, (lens.cpu(), None)
         with torch.cuda.stream(self.stream):
-            feats, lens, host_lens = self._extract(padded, lens, batch_seed)
-        # the host copy above finished this stream's work; the consumer frees these tensors
-        # on its own stream, so the allocator must not recycle them until that stream is done
-        feats.record_stream(consumer)
-        lens.record_stream(consumer)
-        return feats, lens, host_lens
+            feats, lens = self._extract(padded, lens, batch_seed)
+            # one copy of the lengths per batch: it trims the silence off the batch and gives
+            # the loss its host lengths
+            host_lens = torch.empty(lens.shape, dtype=lens.dtype, pin_memory=True)
+            host_lens.copy_(lens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return feats, lens, (host_lens, done)
+
+    def _finish(
+        self, feats: torch.Tensor, lens: torch.Tensor, pending: tuple
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        host_lens, done = pending
+        if done is not None:
+            done.synchronize()  # the stage's whole stream up to the lengths' copy
+            # the consumer frees these tensors on its own stream, so the allocator must not
+            # recycle them until that stream is done with them
+            consumer = torch.cuda.current_stream(self.device)
+            feats.record_stream(consumer)
+            lens.record_stream(consumer)
+        return feats[:, :, : int(host_lens.max())], lens, host_lens
 
     def _extract(
         self, padded: torch.Tensor, lens: torch.Tensor, batch_seed: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         padded = padded.to(self.device, non_blocking=True)
         lens = lens.to(self.device, non_blocking=True)
         generator = torch.Generator(device=self.device).manual_seed(batch_seed)
-        feats, lens = self.extractor(padded, lens, generator)
-        # one copy of the lengths per batch (a sync, outside any graph): it trims the silence
-        # off the batch and gives the loss its host lengths
-        host_lens = lens.cpu()
-        return feats[:, :, : int(host_lens.max())], lens, host_lens
+        return self.extractor(padded, lens, generator)
 
 
 def _collate(items: list[tuple[int, int, torch.Tensor | str]]):

@@ -180,6 +180,7 @@ def test_a_base_is_read_relative_to_its_file_and_cannot_loop(tmp_path):
             "model.joint_dropout: a probability needs 0 <= p < 1, got 1.0",
         ),
         (lambda: ModelConfig(n_classes=1), "model.n_classes: must be >= 2, got 1"),
+        (lambda: DataConfig(device_prefetch=-1), "data.device_prefetch: must be >= 0, got -1"),
         (
             lambda: LossConfig(backend="reference", fused_gemm="sm90"),
             "loss.fused_gemm: 'sm90' applies to loss.backend fused only",

@@ -388,17 +388,56 @@ def test_every_backend_hands_over_host_lengths(corpus, backend, stage, device):
         assert torch.equal(frames, b.feat_lens.cpu()) and torch.equal(tokens, b.token_lens.cpu())
 
 
-@pytest.mark.gpu
-def test_gpu_feature_stage_on_its_side_stream_matches_the_cpu_stage(corpus):
-    """The batched feature stage runs on a side stream of the GPU at the highest priority; what
-    the consumer reads on its own stream equals the same stage computed on the CPU."""
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_batches_whose_stage_is_queued_ahead_are_those_computed_when_asked(corpus, prefetch):
+    """With the feature stage in the main process, the next `data.device_prefetch` batches
+    are taken from the workers (and their stage queued) before one is handed over; what is
+    handed over, in training and in every evaluation pass, does not depend on it."""
     utts, _, root = corpus
-    cfg = _cfg(device="gpu")
+    loaders = {
+        k: build_loader(_cfg(device="gpu", device_prefetch=k), utts, root, train=True)
+        for k in (0, prefetch)
+    }
+    for epoch in (0, 1):
+        got = {}
+        for k, loader in loaders.items():
+            loader.set_epoch(epoch)
+            it = iter(loader)
+            got[k] = [next(it)]
+            # the workers' iterator stands `prefetch` batches past the one handed over (two
+            # batches an epoch: past the second, at the next epoch's start)
+            read = min(1 + k, 2)
+            assert loader.backend.at == ((epoch, read) if read < 2 else (epoch + 1, 0)), k
+            got[k] += list(it)
+        assert [b.utt_ids for b in got[prefetch]] == [b.utt_ids for b in got[0]]
+        for a, b in zip(got[prefetch], got[0], strict=True):
+            assert torch.equal(a.feats, b.feats) and torch.equal(a.feat_lens, b.feat_lens)
+            assert torch.equal(a.host_lens[0], b.host_lens[0])
+    evals = [
+        build_loader(_cfg(device="gpu", device_prefetch=k), utts, root, train=False)
+        for k in (0, prefetch)
+    ]
+    first = _batches(evals[0])
+    for _ in range(2):
+        again = _batches(evals[1])
+        assert [b.utt_ids for b in again] == [b.utt_ids for b in first]
+        assert all(torch.equal(a.feats, b.feats) for a, b in zip(again, first))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_gpu_feature_stage_on_its_side_stream_matches_the_cpu_stage(corpus, prefetch):
+    """The batched feature stage runs on a side stream of the GPU; what the consumer reads on
+    its own stream equals the same stage computed on the CPU. Queued ahead, the stage takes
+    the lowest priority (nothing waits for it); computed when asked, the highest (the host
+    waits for it before it queues the next step)."""
+    utts, _, root = corpus
+    cfg = _cfg(device="gpu", device_prefetch=prefetch)
     cfg.features.dither = 0.0  # the one draw that differs between CPU and CUDA generators
     gpu_loader = build_loader(cfg, utts, root, train=False, device="cuda")
-    # ahead of the training step's kernels, whose end the host would otherwise wait for
     stream = gpu_loader.stream  # evaluation: the torch backend itself
-    assert stream.priority == stream.priority_range()[1]  # (least, greatest)
+    least, greatest = stream.priority_range()
+    assert stream.priority == (least if prefetch else greatest)
     on_gpu = _batches(gpu_loader)
     on_cpu = _batches(build_loader(cfg, utts, root, train=False, device="cpu"))
     assert len(on_gpu) == len(on_cpu)
