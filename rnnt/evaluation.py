@@ -120,6 +120,10 @@ def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str =
     """Build the eval model from `cfg`, load the EMA (or raw) weights of a checkpoint (its
     directory, or its model.pt) into it."""
     loader, checked = build_eval_data(cfg, ctx)  # seconds, before the checkpoint's load
+    # the workers read the first batches while the checkpoint loads and the model is built
+    start_reading = getattr(loader, "read_ahead", None)  # the torch loader's
+    if start_reading is not None:
+        start_reading()
     path = Path(checkpoint)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")

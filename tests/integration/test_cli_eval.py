@@ -14,6 +14,7 @@ import torch
 from rnnt.checkpoint import COMPLETE
 from rnnt.cli.eval import main
 from rnnt.config import load_config
+from rnnt.data.loader import TorchFeatureLoader
 from rnnt.distributed import DistContext
 from rnnt.trainer import Trainer
 
@@ -47,6 +48,36 @@ def test_a_checkpoint_scores(capsys, checkpoint):
     (line,) = [x for x in out.splitlines() if x.startswith("throughput:")]
     total, waiting = re.search(r"\(([\d.]+) s, ([\d.]+) s of it waiting for data", line).groups()
     assert 0 < float(waiting) <= float(total)
+
+
+def test_the_dev_set_is_read_while_the_checkpoint_loads(capsys, checkpoint, monkeypatch):
+    """eval.py's workers start before the checkpoint is opened, so the dev set's time does
+    not include their start; the scores are those of a loader started when asked."""
+    import rnnt.evaluation as evaluation
+
+    sets, path = checkpoint
+    build_eval_data, open_checkpoint = evaluation.build_eval_data, evaluation.open_checkpoint
+    loaders = []
+
+    def kept(cfg, ctx):
+        loader, checked = build_eval_data(cfg, ctx)
+        loaders.append(loader)
+        return loader, checked
+
+    def opened_after_the_workers_started(where):
+        (loader,) = loaders
+        assert isinstance(loader, TorchFeatureLoader) and loader.ahead is not None
+        return open_checkpoint(where)
+
+    monkeypatch.setattr(evaluation, "build_eval_data", kept)
+    monkeypatch.setattr(evaluation, "open_checkpoint", opened_after_the_workers_started)
+    assert main([str(TINY), str(path), "--device", "cpu", *sets]) == 0
+    early = path.with_suffix(".hyps.jsonl").read_text()
+    monkeypatch.setattr(evaluation, "open_checkpoint", open_checkpoint)
+    monkeypatch.setattr(TorchFeatureLoader, "read_ahead", lambda self: None)
+    assert main([str(TINY), str(path), "--device", "cpu", *sets]) == 0
+    assert path.with_suffix(".hyps.jsonl").read_text() == early
+    capsys.readouterr()
 
 
 def test_missing_checkpoint(capsys, checkpoint, tmp_path):
