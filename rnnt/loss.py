@@ -13,6 +13,7 @@ on Hopper GPUs, else cuBLAS; cublas; or sm90, that kernel or an error) and apex.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import itertools
 from typing import ClassVar
@@ -429,6 +430,36 @@ class TransducerLoss:
         sm90, walk=cuda)", ...); settles the fused backend's CUDA C++ kernels now, so that a
         trainer pays for their build before its clock starts."""
         return self._impl.prepare(joint)
+
+    def warm_up(self, joint: Joint) -> None:
+        """One forward and backward on a stand-in batch of two utterances, through a copy of
+        `joint`, so that the backend's Triton kernels compile now rather than at the first
+        step (their lengths are not specialized on: any batch compiles what every batch
+        runs). Neither `joint` nor its gradients change; the joint's dropout draws from the
+        global generators, which the caller puts back."""
+        stand_in = copy.deepcopy(joint)
+        weight = stand_in.operands().weight
+        vocab, hidden = weight.shape
+        frames, tokens = (8, 5), (3, 2)
+        generator = torch.Generator(weight.device).manual_seed(0)
+
+        def joint_input(length: int) -> torch.Tensor:
+            x = torch.randn(2, length, hidden, generator=generator, device=weight.device)
+            return x.to(weight.dtype).requires_grad_()
+
+        f, g = joint_input(max(frames)), joint_input(max(tokens) + 1)
+        label = (self.blank_idx + 1) % vocab
+        targets = torch.full((2, max(tokens)), label, dtype=torch.int64, device=weight.device)
+        loss = self(
+            stand_in,
+            f,
+            g,
+            torch.tensor(frames, device=weight.device),
+            targets,
+            torch.tensor(tokens, device=weight.device),
+            host_lens=(frames, tokens),
+        )
+        loss.backward()
 
     def __call__(
         self,

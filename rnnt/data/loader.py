@@ -393,6 +393,15 @@ class TorchFeatureLoader:
             return self.assembler(indices, feats, lens)
         return self.assembler(indices, *self._finish(feats, lens, pending))
 
+    def warm_up(self) -> None:
+        """The device feature stage once on two stand-in rows of silence, so that its kernel
+        builds (the Triton resampler) and first allocations happen now rather than at the
+        first batch; the workers are not started and no file is read."""
+        if not self.on_device:
+            return
+        rows = torch.zeros(2, 4000, dtype=torch.int16)
+        self._device_features(rows, torch.tensor([4000, 3000]), batch_seed=0)
+
     def _device_features(
         self, padded: torch.Tensor, lens: torch.Tensor, batch_seed: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -667,6 +676,13 @@ class TrainLoader:
     def dropped_utterances(self) -> int:
         """Utterances this rank's batches left out because their audio could not be read."""
         return self.backend.dropped_utterances
+
+    def warm_up(self) -> None:
+        """The backend's kernel builds and first allocations, on stand-in data (see
+        TorchFeatureLoader.warm_up); a backend without any does nothing."""
+        warm_up = getattr(self.backend, "warm_up", None)
+        if warm_up is not None:
+            warm_up()
 
     def set_epoch(self, epoch: int) -> None:
         """Move to the first batch of `epoch`; the epoch it is in keeps its position (a

@@ -26,7 +26,8 @@ from rnnt.distributed import DistContext, same_on_every_rank
 class TrainData:
     """train: this rank's training batches and their position; val: this rank's share of the
     dev set, once per iteration. train_utts: the training set after the length filter (the
-    CUDA-graph buckets are sized from it); val_size: dev utterances over all ranks."""
+    CUDA-graph buckets are sized from it); val_size: dev utterances over all ranks;
+    val_longest: seconds of the longest of them (the size its first batch captures at)."""
 
     train: TrainLoader
     val: object
@@ -34,6 +35,7 @@ class TrainData:
     train_utts: Sequence[Utterance]
     val_size: int
     global_batch: int
+    val_longest: float
 
 
 def checked_inputs(cfg: Config, ctx: DistContext, train: bool) -> PreflightResult:
@@ -116,7 +118,8 @@ def build_train_data(
         f"than {dcfg.max_duration} s), {len(checked.val)} dev utterances, global batch "
         f"{global_batch}, {len(train)} steps per epoch"
     )
-    return TrainData(train, val, checked.tokenizer, kept, len(checked.val), global_batch)
+    longest = max(u.duration for u in checked.val)
+    return TrainData(train, val, checked.tokenizer, kept, len(checked.val), global_batch, longest)
 
 
 def _synthetic(
@@ -159,4 +162,5 @@ def _synthetic(
         f"({len(val.utt_ids)} dev); {len(source)} steps per epoch"
     )
     train = TrainLoader(source, source.plan)
-    return TrainData(train, val, tokenizer, train_utts, len(val.utt_ids), global_batch)
+    longest = float(max(val.durations))
+    return TrainData(train, val, tokenizer, train_utts, len(val.utt_ids), global_batch, longest)

@@ -311,6 +311,32 @@ class DistributedLamb:
         return out.index_add_(0, self._owners, norms.square())
 
     @torch.no_grad()
+    def warm_up(self) -> None:
+        """Run the elementwise update once on stand-in buffers, so that its Triton kernel
+        compiles now (before the run's clock starts) rather than at the first step. The
+        buffers' length has the shard's divisibility by 16, which is all Triton specializes
+        the kernel's length on; the optimizer's own state is not touched."""
+        if self._fused_update is None:
+            return
+        n = 16 * 64 + self._g32.numel() % 16
+        g, m, v, w = (torch.zeros(n, device=self._g32.device) for _ in range(4))
+        one = torch.ones((), device=g.device)
+        moments_and_update(
+            g,
+            m,
+            v,
+            w,
+            one,
+            one == 0,
+            one,
+            one,
+            self.betas,
+            self.eps,
+            self.weight_decay,
+            self._fused_update,
+        )
+
+    @torch.no_grad()
     def step(self, lr: float, grad_scale: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
         """One LAMB step from the accumulated gradients; returns found-inf (a float32 device
         scalar, 1.0 when the loss or a gradient was inf or NaN on any rank: nothing changed)."""

@@ -15,6 +15,7 @@ import torch
 from rnnt.checkpoint import CheckpointError
 from rnnt.config import load_config
 from rnnt.distributed import DistContext
+from rnnt.loss import TransducerLoss
 from rnnt.run_log import read_metrics
 from rnnt.trainer import NonFiniteLossError, Trainer
 from tests.helpers import as_set_args, tiny_overrides, train_command
@@ -183,12 +184,14 @@ def test_inf_gradient_skips_the_step_and_is_counted(corpus, tmp_path):
     _skip_expectations(trainer, next(trainer.model.joint.parameters()))
 
 
-def test_repeated_nan_losses_stop_the_run_naming_the_step(corpus, tmp_path):
+def test_repeated_nan_losses_stop_the_run_naming_the_step(corpus, tmp_path, monkeypatch):
     trainer = Trainer(
         make_cfg(corpus, tmp_path / "run", "training.max_consecutive_nonfinite=3"), CPU
     )
-    real_loss = trainer.loss_fn
-    trainer.loss_fn = lambda *args, **kwargs: real_loss(*args, **kwargs) * math.nan
+    real_call = TransducerLoss.__call__
+    monkeypatch.setattr(
+        TransducerLoss, "__call__", lambda *args, **kwargs: real_call(*args, **kwargs) * math.nan
+    )
     with pytest.raises(NonFiniteLossError, match=r"step 3: 3 consecutive steps"):
         trainer.fit()
     assert int(trainer.skipped_total) == 3
@@ -359,3 +362,90 @@ def test_the_dev_set_is_read_while_the_first_epoch_trains(corpus, tmp_path):
     result = trainer.run_eval()
     assert trainer.data.val.ahead is reader
     assert result.utterances == 12
+
+
+def test_the_warm_up_before_run_start_changes_nothing_of_the_run(corpus, tmp_path, capsys):
+    """The warm-up launches the optimizer's update, the loss (through a copy of the joint,
+    whose dropout draws from the global generator) and the device feature stage on stand-in
+    tensors before run_start: the run's losses and weights equal those of a run without it."""
+    extra = ("data.device=gpu", "training.epochs=1")  # the batched feature stage, on the CPU
+    warmed = Trainer(make_cfg(corpus, tmp_path / "warmed", *extra), CPU)
+    warmed.fit()
+    assert "warm-up before run_start: " in capsys.readouterr().out
+    cold = Trainer(make_cfg(corpus, tmp_path / "cold", *extra), CPU)
+    cold.warm_up = lambda: None
+    cold.fit()
+    reference = losses(tmp_path / "cold")
+    assert losses(tmp_path / "warmed") == reference and len(reference) == 6
+    for (key, a), b in zip(warmed.model.state_dict().items(), cold.model.state_dict().values()):
+        assert torch.equal(a, b), key
+
+
+@pytest.mark.parametrize("mode", ["cg", "cg_unroll_pipeline"])
+def test_the_first_evaluation_reuses_what_the_warm_up_built(corpus, tmp_path, mode):
+    """The warm-up sizes the graphed decoder for the dev set's longest batch (on a GPU: its
+    graphs are captured there, before run_start); the first evaluation then builds nothing."""
+    cfg = make_cfg(corpus, tmp_path / "run", f"eval.mode={mode}", "eval.batch_size=6")
+    trainer = Trainer(cfg, CPU)
+    trainer.warm_up()
+    built = trainer.decoder._static
+    assert built is not None
+    result = trainer.run_eval()
+    assert trainer.decoder._static is built and result.utterances == 12
+
+
+@pytest.mark.gpu
+def test_no_triton_kernel_compiles_in_the_first_steps_after_the_warm_up(corpus, tmp_path):
+    """LAMB's update, the fused loss and the GPU resampler are Triton kernels, compiled at
+    their first launch (seconds each with a cold cache): the warm-up launches them all before
+    run_start, so that the timed steps compile none."""
+    import triton
+
+    from rnnt.distributed import init_distributed
+
+    cfg = load_config(
+        Path(__file__).parents[2] / "configs/tiny.yaml",
+        [
+            *as_set_args(tiny_overrides(corpus, tmp_path))[1::2],
+            "data.device=gpu",
+            "data.resampling_device=gpu",
+            "loss.backend=fused",
+            "training.precision=fp16",
+            "model.enc_n_hid=64",
+            "model.pred_n_hid=64",
+            "model.joint_n_hid=64",
+            "eval.mode=cg_unroll_pipeline",
+        ],
+    )
+    trainer = Trainer(cfg, init_distributed("cuda"))
+    trainer.warm_up()
+    compiled = []
+
+    def record(*args, **kwargs):
+        compiled.append(kwargs.get("fn", args[0] if args else None))
+        return False  # compile as usual
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        previous, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, record
+    else:
+        from triton.runtime.jit import JITFunction
+
+        previous, JITFunction.cache_hook = JITFunction.cache_hook, record
+    try:
+        trainer.train_loader.set_epoch(0)
+        batches = iter(trainer.train_loader)
+        for _ in range(2):
+            trainer.train_step(next(batches), lr=0.004)
+        torch.cuda.synchronize()
+    finally:
+        if knobs is not None:
+            knobs.runtime.jit_cache_hook = previous
+        else:
+            JITFunction.cache_hook = previous
+    assert trainer.backends["lamb"] == "triton" and trainer.backends["loss"].startswith("fused")
+    assert compiled == []
+    graph = trainer.decoder._graph
+    assert graph is not None  # captured by the warm-up
+    trainer.run_eval()
+    assert trainer.decoder._graph is graph

@@ -424,6 +424,21 @@ def test_batches_whose_stage_is_queued_ahead_are_those_computed_when_asked(corpu
         assert all(torch.equal(a.feats, b.feats) for a, b in zip(again, first))
 
 
+def test_the_warm_up_reads_nothing_and_changes_no_batch(corpus):
+    """Before run_start the feature stage runs once on stand-in rows: no worker starts, no
+    file is read, and the batches are those of a loader that was not warmed up."""
+    utts, _, root = corpus
+    cfg = _cfg(device="gpu", num_threads=2)
+    warmed = build_loader(cfg, utts, root, train=True)
+    warmed.warm_up()
+    assert warmed.backend.ahead is None
+    warmed.set_epoch(0)
+    cold = build_loader(cfg, utts, root, train=True)
+    cold.set_epoch(0)
+    for a, b in zip(_batches(warmed), _batches(cold), strict=True):
+        assert a.utt_ids == b.utt_ids and torch.equal(a.feats, b.feats)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_gpu_feature_stage_on_its_side_stream_matches_the_cpu_stage(corpus, prefetch):
