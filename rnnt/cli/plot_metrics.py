@@ -104,7 +104,8 @@ def epoch_table(runs: dict[str, list[dict]]) -> str:
 
 def summary(name: str, records: list[dict]) -> str:
     """Median step time and data-wait share over the logged windows (each epoch's first one,
-    which holds warm-up, CUDA graph capture or the evaluation's aftermath, left out)."""
+    which holds warm-up, CUDA graph capture or the evaluation's aftermath, left out), and the
+    run's first window on its own: what the start inside the timed region cost."""
     train = _train(records)
     seen, steady = set(), []
     for r in train:
@@ -120,6 +121,12 @@ def summary(name: str, records: list[dict]) -> str:
         parts.append(f"median step {statistics.median(step_ms):.2f} ms over {len(step_ms)} windows")
     if waits:
         parts.append(f"median data wait {100 * statistics.median(waits):.1f}%")
+    first = train[0] if train else {}
+    if _is_number(first.get("step_ms")) and _is_number(first.get("data_wait_share")):
+        parts.append(
+            f"first window {first['step_ms']:.1f} ms per step over {first['window_steps']} steps"
+            f" ({100 * first['data_wait_share']:.1f}% data wait)"
+        )
     if evals:
         parts.append(f"last WER {100 * evals[-1]['wer']:.2f}% (epoch {evals[-1]['epoch']})")
     return ", ".join(parts)

@@ -263,5 +263,6 @@ def test_plot_script_compares_runs_epoch_by_epoch(tmp_path, repo_root):
     assert "| 1 | 2.00 | 10.00 | 4.00 | 20.00 |" in lines  # losses 1,2,3 and 2,4,6
     assert "| 2 | 5.00 | 5.00 | 10.00 | 10.00 |" in lines
     assert lines[0].startswith("fast: 6 log points, median step")
+    assert "first window 126.2 ms per step over 10 steps (1.0% data wait)" in lines[0]
     assert "last WER 5.00% (epoch 2)" in lines[0]
     assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
