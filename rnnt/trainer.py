@@ -25,8 +25,9 @@ from rnnt.checkpoint import (
     restore_rng_state,
 )
 from rnnt.config import Config, ConfigError, check_device, preset_global_batch, to_dict
-from rnnt.data.augment import BatchTransform
+from rnnt.data.augment import BatchTransform, spliced_length
 from rnnt.data.batch import FeatureBatch
+from rnnt.data.features import num_frames, window_samples
 from rnnt.data.pipeline import build_train_data
 from rnnt.data.sampler import SamplerStateError
 from rnnt.distributed import (
@@ -574,9 +575,9 @@ class Trainer:
         read the evaluation model's parameters by address; each evaluation copies the EMA
         into them in place."""
         fcfg = self.cfg.features
-        hop = round(fcfg.window_stride * fcfg.sample_rate)
-        frames = math.ceil(self.data.val_longest * fcfg.sample_rate) // hop + 1
-        spliced = -(-frames // fcfg.frame_subsample)
+        samples = torch.tensor([math.ceil(self.data.val_longest * fcfg.sample_rate)])
+        frames = num_frames(samples, window_samples(fcfg)[1])
+        spliced = int(spliced_length(frames, fcfg.frame_subsample))
         batch = self.cfg.eval.batch_size
         feats = torch.zeros(
             spliced, batch, self.cfg.model.in_feats, dtype=self.dtype, device=self.ctx.device
