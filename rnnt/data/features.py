@@ -184,10 +184,11 @@ def resample(
 
 
 def draw_speeds(cfg: FeaturesConfig, batch: int, generator: torch.Generator | None) -> torch.Tensor:
-    """(B,) float64 speeds ~ U[speed_perturbation_min, speed_perturbation_max] on the CPU,
-    drawn on the generator's device."""
+    """(B,) float64 speeds ~ U[speed_perturbation_min, speed_perturbation_max], drawn and left
+    on the generator's device: the GPU feature stage resamples with them there, and a copy to
+    the host would make the host wait for the stage's stream (the audio's upload before it)."""
     device = generator.device if generator is not None else None
-    u = torch.rand(batch, generator=generator, dtype=torch.float64, device=device).cpu()
+    u = torch.rand(batch, generator=generator, dtype=torch.float64, device=device)
     lo, hi = cfg.speed_perturbation_min, cfg.speed_perturbation_max
     return lo + (hi - lo) * u
 

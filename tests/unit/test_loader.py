@@ -440,6 +440,26 @@ def test_the_warm_up_reads_nothing_and_changes_no_batch(corpus):
 
 
 @pytest.mark.gpu
+def test_queueing_the_training_stage_never_makes_the_host_wait(corpus):
+    """With the stage queued ahead, the host must not wait for it: nothing between the
+    audio's upload and the lengths' pinned copy synchronizes (the speed draw once copied the
+    speeds to the host, which waited behind the upload on the stage's stream)."""
+    utts, _, root = corpus
+    cfg = _cfg(device="gpu", resampling_device="gpu", device_prefetch=1)
+    loader = build_loader(cfg, utts, root, train=True, device="cuda").backend
+    rows = torch.zeros(2, 16000, dtype=torch.int16).pin_memory()
+    lens = torch.tensor([16000, 12000]).pin_memory()
+    loader.warm_up()  # first launches build kernels and allocate
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        feats, dev_lens, pending = loader._launch(rows, lens, batch_seed=3)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    feats, dev_lens, host_lens = loader._finish(feats, dev_lens, pending)
+    assert torch.equal(host_lens, dev_lens.cpu()) and feats.shape[0] == 2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_gpu_feature_stage_on_its_side_stream_matches_the_cpu_stage(corpus, prefetch):
     """The batched feature stage runs on a side stream of the GPU; what the consumer reads on
