@@ -328,7 +328,8 @@ for line in open(sys.argv[1]):
     # from scratch: the first one whose dev WER is below FORK_WER (default 0.95), so after the
     # run has left the loss plateau whose end varies by 1,000 steps between runs
     # (docs/CONVERGENCE.md). FORKS names them (default "plain_s1 plain_s2 fast_s2"); they train
-    # FORK_EPOCHS (default 6) epochs past it, target off. Waits up to WAIT_S for that
+    # FORK_EPOCHS (default 6) epochs past it, target off; FORK_TAG (with SETS, say) goes into
+    # their names. Waits up to WAIT_S for that
     # checkpoint, and copies it beside the runs, out of reach of the fast run's retention.
     deadline=$(( $(date +%s) + ${WAIT_S:-540} )) ckpt=""
     while [ -z "$ckpt" ] && [ "$(date +%s)" -lt "$deadline" ]; do
@@ -352,7 +353,7 @@ PY
     done_epochs=$(basename "$ckpt" | cut -d_ -f2 | tr -d e)
     fork_to=$(( done_epochs + ${FORK_EPOCHS:-6} ))
     # shellcheck disable=SC2086
-    start_runs "$PWD/$copy" "from_e${done_epochs}_" ${FORKS:-plain_s1 plain_s2 fast_s2} ;;
+    start_runs "$PWD/$copy" "from_e${done_epochs}_${FORK_TAG:+${FORK_TAG}_}" ${FORKS:-plain_s1 plain_s2 fast_s2} ;;
   wait)
     # until every run of `converge` has ended, or this call's time is nearly up
     deadline=$(( $(date +%s) + ${WAIT_S:-540} ))
