@@ -36,6 +36,7 @@
 #                                         # the loss plateau
 #   bash bench/gpu_session.sh wait        # until they end (or this call's time); their metrics
 #   bash bench/gpu_session.sh evalparity  # eval.py in every decoder mode; compliance checker
+#   bash bench/gpu_session.sh stress      # several short runs on every GPU at once: races
 #   bash bench/gpu_session.sh bundle      # $OUT's files in one $OUT/results.tar.gz (the device
 #                                         # tool brings back at most 8 files a call)
 #
@@ -54,7 +55,7 @@ if [ -n "${ON_GPU:-}" ]; then
   exec env ON_GPU= CUDA_VISIBLE_DEVICES="$ON_GPU" taskset -c "$first-$(( first + share - 1 ))" \
     bash "$0" "$@"
 fi
-phase=${1:?phase: tests | loss | step | lstm | resample | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | fork | wait | evalparity | bundle}
+phase=${1:?phase: tests | loss | step | lstm | resample | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | fork | wait | evalparity | stress | bundle}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
 # the spoken-digits corpus the distributed tests train on (this machine has no espeak-ng):
@@ -367,6 +368,38 @@ PY
       echo "== $name"; grep -v Warning "$log" | tail -n 4
     done
     pgrep -fa "train.py configs/convergence" || echo "all runs ended" ;;
+  stress)
+    # RUNS_PER_GPU (default 3) short fast-path runs on every GPU at once, for STRESS_S seconds
+    # (default 110) each, from the checkpoint that `fork` copied (from scratch if none), with
+    # SETS and the source tree SRC (default this checkout; another commit's, unpacked from
+    # `git archive`, compares). Sharing a GPU stretches each kernel and lets the host run
+    # further ahead of it, which is what exposed an illegal memory access that one run per GPU
+    # had not shown (docs/CONVERGENCE.md). Prints each run's log points, exit status and first
+    # CUDA error.
+    src=${SRC:-.} per_gpu=${RUNS_PER_GPU:-3}
+    start=$(find "$runs" -maxdepth 1 -name 'start_ckpt_*' 2>/dev/null | sort | head -n 1)
+    share=$(( $(nproc) / gpus / per_gpu ))
+    mkdir -p "$OUT/stress"
+    for g in $(seq 0 $(( gpus - 1 ))); do
+      for k in $(seq 1 "$per_gpu"); do
+        first=$(( (g * per_gpu + k - 1) * share ))
+        extra=()
+        for kv in ${SETS:-}; do extra+=(--set "$kv"); done
+        [ -n "$start" ] && extra+=(--init-from "$start" --set training.target_wer=0)
+        ( CUDA_VISIBLE_DEVICES=$g taskset -c "$first-$(( first + share - 1 ))" \
+            timeout "${STRESS_S:-110}" python3 "$src/train.py" \
+            "$src/configs/convergence/sentences.yaml" --overwrite --set training.seed=$(( 10 + k )) \
+            --set data.num_threads=$(( share > 1 ? share - 1 : 1 )) \
+            --set training.output_dir="/tmp/stress_${g}_$k" "${extra[@]}" \
+            > "$OUT/stress/gpu${g}_run$k.log" 2>&1
+          echo $? > "$OUT/stress/gpu${g}_run$k.rc" ) &
+      done
+    done
+    wait
+    for log in "$OUT"/stress/*.log; do
+      echo "$(basename "$log" .log): exit $(cat "${log%.log}.rc"), $(grep -c 'ms/step' "$log") log points;" \
+        "$(grep -m 1 -oE 'illegal memory access|CUDA error: [a-z ]+|AcceleratorError' "$log")"
+    done | tee "$OUT/stress/summary.txt" ;;
   evalparity)
     # the fast run's final checkpoint scored by eval.py in every decoder mode
     ckpt=$(find "$runs/${FAST_RUN:-fast_s1}/checkpoints" -mindepth 1 -maxdepth 1 -name 'ckpt_*' -printf '%T@ %p\n' \
