@@ -207,6 +207,11 @@ class LossBackend:
         """(choice, reason) for `joint`'s device and dtype, with any kernel built now."""
         return self.name, f"loss.backend: {self.name}"
 
+    def warm_up_label_states(self, longest_tokens: int) -> list[int]:
+        """U + 1 of the stand-in batches that TransducerLoss.warm_up runs (one will do for a
+        backend without kernels specialized by length)."""
+        return [longest_tokens + 1]
+
     def __call__(self, joint: Joint, f, g, f_lens, targets, target_lens, host_lens):
         raise NotImplementedError
 
@@ -331,6 +336,9 @@ class FusedLoss(LossBackend):
         except RuntimeError as err:  # loss.fused_gemm: sm90 where it cannot run
             raise ConfigError(f"loss.fused_gemm: {err}") from None
 
+    def warm_up_label_states(self, longest_tokens: int) -> list[int]:
+        return self.module.warm_up_label_states(longest_tokens)
+
     def __call__(self, joint, f, g, f_lens, targets, target_lens, host_lens):
         weight, bias, p = joint.operands()
         # One operand dtype for the kernels (fp32 weights under autocast meet fp16 activations).
@@ -431,35 +439,37 @@ class TransducerLoss:
         trainer pays for their build before its clock starts."""
         return self._impl.prepare(joint)
 
-    def warm_up(self, joint: Joint) -> None:
-        """One forward and backward on a stand-in batch of two utterances, through a copy of
-        `joint`, so that the backend's Triton kernels compile now rather than at the first
-        step (their lengths are not specialized on: any batch compiles what every batch
-        runs). Neither `joint` nor its gradients change; the joint's dropout draws from the
-        global generators, which the caller puts back."""
+    def warm_up(self, joint: Joint, longest_tokens: int) -> None:
+        """Forward and backward on stand-in batches through a copy of `joint`, so that the
+        backend's Triton kernels compile now rather than in the first steps: Triton compiles
+        a kernel per specialization, and the stand-ins have those of batches whose longest
+        transcript is near `longest_tokens` (`warm_up_label_states`). Neither `joint` nor
+        its gradients change; the joint's dropout draws from the global generators, which
+        the caller puts back."""
         stand_in = copy.deepcopy(joint)
         weight = stand_in.operands().weight
         vocab, hidden = weight.shape
-        frames, tokens = (8, 5), (3, 2)
-        generator = torch.Generator(weight.device).manual_seed(0)
+        device = weight.device
+        generator = torch.Generator(device).manual_seed(0)
 
         def joint_input(length: int) -> torch.Tensor:
-            x = torch.randn(2, length, hidden, generator=generator, device=weight.device)
+            x = torch.randn(2, length, hidden, generator=generator, device=device)
             return x.to(weight.dtype).requires_grad_()
 
-        f, g = joint_input(max(frames)), joint_input(max(tokens) + 1)
         label = (self.blank_idx + 1) % vocab
-        targets = torch.full((2, max(tokens)), label, dtype=torch.int64, device=weight.device)
-        loss = self(
-            stand_in,
-            f,
-            g,
-            torch.tensor(frames, device=weight.device),
-            targets,
-            torch.tensor(tokens, device=weight.device),
-            host_lens=(frames, tokens),
-        )
-        loss.backward()
+        for states in self._impl.warm_up_label_states(longest_tokens):
+            frames, tokens = (8, 5), (states - 1, 2)
+            targets = torch.full((2, states - 1), label, dtype=torch.int64, device=device)
+            loss = self(
+                stand_in,
+                joint_input(max(frames)),
+                joint_input(states),
+                torch.tensor(frames, device=device),
+                targets,
+                torch.tensor(tokens, device=device),
+                host_lens=(frames, tokens),
+            )
+            loss.backward()
 
     def __call__(
         self,

@@ -548,8 +548,9 @@ class Trainer:
 
     def warm_up(self) -> None:
         """Launch, before the clock starts, what would otherwise compile at the run's first
-        steps: the Triton kernels of LAMB, of the loss and of the feature stage (seconds each
-        in a fresh container, whose kernel caches are cold). MLPerf allows such model
+        steps: the Triton kernels of LAMB, of the loss (at the label tiles of the training
+        set's longest transcripts) and of the feature stage (seconds each in a fresh
+        container, whose kernel caches are cold). MLPerf allows such model
         initialization before run_start but not touching the data, so all of it runs on
         stand-in tensors, and the global random generators are put back: the run trains
         exactly as it would have without."""
@@ -557,7 +558,7 @@ class Trainer:
         device = self.ctx.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self.optimizer.warm_up()
-            self.loss_fn.warm_up(self.model.joint)
+            self.loss_fn.warm_up(self.model.joint, self._longest_tokens())
             for loader in (self.train_loader, self.data.val):
                 warm_up = getattr(loader, "warm_up", None)
                 if warm_up is not None:
@@ -566,6 +567,13 @@ class Trainer:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         self.log.info(f"warm-up before run_start: {time.perf_counter() - start:.1f} s")
+
+    def _longest_tokens(self) -> int:
+        if self.graphs is not None:  # sized its prediction buckets by it
+            return max(self.graphs.token_buckets)
+        from rnnt.graphs import longest_transcript
+
+        return longest_transcript(self.data.train_utts, self.tokenizer)
 
     def _warm_up_evaluation(self) -> None:
         """The evaluation model and decoder once on a stand-in batch of the dev set's longest

@@ -336,20 +336,31 @@ class _Problem:
             self.offs = self.soffs = self.f_lens  # never packed: no kernel reads the offsets
         else:
             # one host-to-device copy for the lengths and the row offsets (each costs host time
-            # before the first launch, and the GPU waits for that)
-            host = [*host_lens[0], *host_lens[1]]
+            # before the first launch, and the GPU waits for that); each section starts 16 bytes
+            # aligned whatever the batch size (see `label_rows`)
+            sections = [host_lens[0], host_lens[1]]
             if layout.packed:
-                host += [*layout.starts, *layout.skew_starts]
+                sections += [layout.starts, layout.skew_starts]
+            host, starts = [], []
+            for section in sections:
+                starts.append(len(host))
+                host += [*section, *[0] * (-len(section) % 4)]
             lens = to_device(host, self.dev)
-            self.f_lens, self.target_lens = lens[: self.bsz], lens[self.bsz : 2 * self.bsz]
+            self.f_lens = lens[starts[0] : starts[0] + self.bsz]
+            self.target_lens = lens[starts[1] : starts[1] + self.bsz]
             # int32 row and diagonal-major offsets (B + 1,) of the packed layout; the padded
             # layout's kernels never read them, and get any int32 pointer
-            self.offs = lens[2 * self.bsz : 3 * self.bsz + 1] if layout.packed else self.f_lens
-            self.soffs = lens[3 * self.bsz + 1 :] if layout.packed else self.f_lens
-        # per row: target label, diagonal-major cell (`hidden_kernel` writes both)
-        self.label_rows, self.dest_rows = torch.empty(
-            2, layout.n_rows, dtype=torch.int32, device=self.dev
-        )
+            if layout.packed:
+                self.offs = lens[starts[2] : starts[2] + self.bsz + 1]
+                self.soffs = lens[starts[3] : starts[3] + self.bsz + 1]
+            else:
+                self.offs = self.soffs = self.f_lens
+        # per row: target label, diagonal-major cell (`hidden_kernel` writes both); each its
+        # own allocation, like every buffer a kernel takes: Triton specializes a kernel on its
+        # pointers' 16-byte alignment, and rows of one (2, n_rows) tensor would change it with
+        # each batch's lattice size (a compile in the middle of the run)
+        self.label_rows = torch.empty(layout.n_rows, dtype=torch.int32, device=self.dev)
+        self.dest_rows = torch.empty(layout.n_rows, dtype=torch.int32, device=self.dev)
         self.sm90 = self.compiled and logits_gemm.use_sm90(
             gemm, self.dev, f.dtype, self.hid, self.v
         )
@@ -474,13 +485,20 @@ class _Lattice:
     def __init__(self, prob: _Problem):
         self.prob = prob
         rows, cells, dev = prob.layout.n_rows, prob.layout.skew_cells, prob.dev
-        self.lse, self.occ, self.w_blank, self.w_label = torch.empty(4, rows, device=dev)
+        # separate allocations: see `_Problem.label_rows`
+        self.lse, self.occ, self.w_blank, self.w_label = (
+            torch.empty(rows, device=dev) for _ in range(4)
+        )
         # cells no move enters stay unset (no kernel reads them); the CUDA walk reads up to
         # OVERREAD cells past the last diagonal
-        self.skew_blank, self.skew_label = torch.empty(2, cells + lattice_walk.OVERREAD, device=dev)
-        self.alpha, self.beta = torch.empty(2, cells, dtype=torch.float64, device=dev)
+        self.skew_blank, self.skew_label = (
+            torch.empty(cells + lattice_walk.OVERREAD, device=dev) for _ in range(2)
+        )
+        self.alpha, self.beta = (
+            torch.empty(cells, dtype=torch.float64, device=dev) for _ in range(2)
+        )
         self.log_lik = torch.empty(prob.bsz, dtype=torch.float64, device=dev)
-        self.block_u = max(16, triton.next_power_of_2(prob.u1))
+        self.block_u = _label_tile(prob.u1)
 
     def solve(self, b0: int, bc: int) -> None:
         """alpha, beta and log P of utterances [b0, b0 + bc), whose transition
@@ -563,7 +581,7 @@ class _Gradients:
         self.dtypes = tuple(x.dtype for x in (prob.f, prob.g, prob.weight, prob.bias))
         self.gate_scale = prob.gate_scale
         self.dl_launch = _row_launch(DLOGITS_LAUNCH, v, chunks.rows, dev)
-        self.bu = min(MAX_FG_U_TILE, max(16, triton.next_power_of_2(u1)))
+        self.bu = min(MAX_FG_U_TILE, _label_tile(u1))
         fg_tiles = chunks.max_bc * triton.cdiv(hid, FG_H_TILE) * triton.cdiv(u1, self.bu)
         self.splits = max(1, min(t_max, triton.cdiv(FG_PROGRAMS_PER_SM * _num_sms(dev), fg_tiles)))
         self.max_bc = chunks.max_bc
@@ -737,6 +755,22 @@ class _FusedJointLoss(torch.autograd.Function):
 def _logits_dtype(dtype: torch.dtype) -> torch.dtype:
     # bf16 logits (8-bit mantissa) would cost ~0.05 in a logit of 10; fp16 ones ~0.005.
     return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
+def _label_tile(u1: int) -> int:
+    """Label states a program of the lattice, posterior and df / dg kernels spans (a
+    compile-time size: each tile is a kernel variant of its own)."""
+    return max(16, triton.next_power_of_2(u1))
+
+
+def warm_up_label_states(longest_tokens: int) -> list[int]:
+    """U + 1 of the stand-in batches that compile the kernel variants a training run uses:
+    those of the two largest label tiles up to the training set's longest transcript. The
+    other kernel arguments that vary by batch are not specialized on, and every buffer is 16
+    bytes aligned. A batch's longest transcript, the longest of many, lies in those tiles
+    unless the transcripts are far shorter than the longest."""
+    top = _label_tile(longest_tokens + 1)
+    return sorted({top, _label_tile(top // 2)})
 
 
 def _row_launch(launch, v: int, rows: int, device) -> tuple[int, int, int, int]:

@@ -346,7 +346,8 @@ def _gate_pairs(fv, gv, bits, thr_row, ASM: tl.constexpr):
     )
 
 
-@triton.jit(do_not_specialize=["T", "U1", "seed", "b0", "row0"])
+# tgt_stride is the batch's longest transcript: specialized on, it would compile per batch
+@triton.jit(do_not_specialize=["tgt_stride", "T", "U1", "seed", "b0", "row0"])
 def hidden_kernel(
     f_ptr,
     g_ptr,

@@ -397,8 +397,9 @@ def test_the_first_evaluation_reuses_what_the_warm_up_built(corpus, tmp_path, mo
 @pytest.mark.gpu
 def test_no_triton_kernel_compiles_in_the_first_steps_after_the_warm_up(corpus, tmp_path):
     """LAMB's update, the fused loss and the GPU resampler are Triton kernels, compiled at
-    their first launch (seconds each with a cold cache): the warm-up launches them all before
-    run_start, so that the timed steps compile none."""
+    their first launch (seconds each with a cold cache): the warm-up launches them before
+    run_start with the specializations that training batches have (for the loss, the label
+    tiles of the longest transcripts), so that the timed steps compile none."""
     import triton
 
     from rnnt.distributed import init_distributed

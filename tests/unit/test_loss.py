@@ -1,3 +1,4 @@
+import inspect
 import itertools
 import math
 
@@ -261,3 +262,71 @@ def test_optional_backend_matches_reference(backend, host, dtype):
     assert got.item() == pytest.approx(ref.item(), rel=tol)
     for a, r in zip(got_grads, ref_grads, strict=True):
         assert (a.float() - r).abs().max() <= tol * r.abs().max()
+
+
+def _specialization(kernel, args: tuple, kwargs: dict) -> tuple:
+    """What Triton compiles a variant of `kernel` for, as its JIT keys a launch: each
+    constexpr's value; for each other argument not in do_not_specialize, an int's being 1 or
+    a multiple of 16, and a tensor's dtype and 16-byte alignment (unless
+    do_not_specialize_on_alignment); and the launch options."""
+    params = list(inspect.signature(kernel.fn).parameters.items())
+    bound = dict(zip((name for name, _ in params), args)) | kwargs
+    skip = set(kernel.kwargs.get("do_not_specialize") or ())
+    unaligned = set(kernel.kwargs.get("do_not_specialize_on_alignment") or ())
+    key = []
+    for name, param in params:
+        value = bound[name]
+        if param.annotation == "tl.constexpr":
+            key.append((name, value))
+        elif name in skip:
+            continue
+        elif isinstance(value, torch.Tensor):
+            key.append((name, value.dtype, name in unaligned or value.data_ptr() % 16 == 0))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            key.append((name, value == 1, value % 16 == 0))
+        else:
+            key.append((name, type(value).__name__))
+    key += sorted((k, v) for k, v in kwargs.items() if k not in dict(params))
+    return tuple(key)
+
+
+def test_the_fused_warm_up_compiles_every_kernel_variant_that_training_batches_run(monkeypatch):
+    """Triton compiles a kernel once per specialization. The warm-up's stand-in batches must
+    hit every specialization that training batches of other sizes, lengths and transcripts
+    hit, or those compile in the timed steps (a GPU test once found six). Launches are
+    recorded under the Triton interpreter and keyed as Triton's JIT keys them."""
+    jl = pytest.importorskip("rnnt.kernels.joint_loss")
+    launched: dict[str, set] = {}
+
+    def recorder(name, kernel):
+        class Launch:
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    launched.setdefault(name, set()).add(_specialization(kernel, args, kwargs))
+                    return kernel[grid](*args, **kwargs)
+
+                return run
+
+        return Launch()
+
+    for name in [n for n in dir(jl) if n.endswith("_kernel")]:
+        monkeypatch.setattr(jl, name, recorder(name, getattr(jl, name)))
+    hid, vocab, longest = 16, 32, 20  # label tiles 16 and 32
+    joint = Joint(ModelConfig(joint_n_hid=hid, n_classes=vocab, joint_dropout=0.1)).train()
+    loss = TransducerLoss("fused", vocab - 1)
+    loss.warm_up(joint, longest)
+    warmed = {name: set(keys) for name, keys in launched.items()}
+    assert {"hidden_kernel", "posteriors_kernel", "grad_fg_kernel"} <= set(warmed)
+    launched.clear()
+    gen = torch.Generator().manual_seed(0)
+    for bsz, frames, tokens in [(6, 9, 20), (5, 7, 13), (3, 11, 16), (7, 8, 9)]:
+        f_lens = torch.randint(1, frames + 1, (bsz,), generator=gen)
+        target_lens = torch.randint(0, tokens + 1, (bsz,), generator=gen)
+        f_lens[0], target_lens[-1] = frames, tokens
+        f = torch.randn(bsz, frames, hid, generator=gen, requires_grad=True)
+        g = torch.randn(bsz, tokens + 1, hid, generator=gen, requires_grad=True)
+        targets = torch.randint(0, vocab - 1, (bsz, tokens), generator=gen)
+        host = (f_lens.tolist(), target_lens.tolist())
+        loss(joint, f, g, f_lens, targets, target_lens, host_lens=host).backward()
+    for name, keys in launched.items():
+        assert keys <= warmed.get(name, set()), f"{name} compiles again in training"
