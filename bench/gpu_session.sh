@@ -275,7 +275,8 @@ case "$phase" in
   realstep)
     # the fast path's trainer for one epoch on the corpus's audio, then on synthetic batches of
     # the same utterances' lengths and transcripts (a lengths table written from the manifest);
-    # in a folder of its own, so that several can run side by side (ON_GPU)
+    # in a folder of its own, so that several can run side by side (ON_GPU); SRC: another
+    # source tree's trainer (as for `stress`), to time two versions side by side
     work=$(mktemp -d /tmp/realstep.XXXX)
     for split in train dev; do
       python3 -c 'import json, sys
@@ -293,7 +294,7 @@ for line in open(sys.argv[1]):
       [ "$data" = synthetic ] && extra+=(--set data.backend=synthetic
         --set data.synthetic_train_lengths="$work/sentences_train_lengths.tsv"
         --set data.synthetic_val_lengths="$work/sentences_dev_lengths.tsv")
-      python3 train.py configs/convergence/sentences.yaml --overwrite --set training.epochs=1 \
+      python3 "${SRC:-.}/train.py" "${SRC:-.}/configs/convergence/sentences.yaml" --overwrite --set training.epochs=1 \
         --set data.backend="${BACKEND:-torch}" --set data.resampling_device="${RESAMPLING:-gpu}" \
         --set data.num_threads="${WORKERS:-8}" \
         --set training.output_dir="$work/step_$data" "${extra[@]}" 2>&1 | tee "$OUT/realstep_$data.log" \
