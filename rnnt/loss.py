@@ -207,10 +207,13 @@ class LossBackend:
         """(choice, reason) for `joint`'s device and dtype, with any kernel built now."""
         return self.name, f"loss.backend: {self.name}"
 
+    # whether it launches kernels that compile at first use for each shape class (Triton):
+    # only then does TransducerLoss.warm_up run anything
+    compiles_kernels: ClassVar[bool] = False
+
     def warm_up_label_states(self, longest_tokens: int) -> list[int]:
-        """U + 1 of the stand-in batches that TransducerLoss.warm_up runs (one will do for a
-        backend without kernels specialized by length)."""
-        return [longest_tokens + 1]
+        """U + 1 of the stand-in batches that TransducerLoss.warm_up runs."""
+        return []
 
     def __call__(self, joint: Joint, f, g, f_lens, targets, target_lens, host_lens):
         raise NotImplementedError
@@ -336,6 +339,8 @@ class FusedLoss(LossBackend):
         except RuntimeError as err:  # loss.fused_gemm: sm90 where it cannot run
             raise ConfigError(f"loss.fused_gemm: {err}") from None
 
+    compiles_kernels = True
+
     def warm_up_label_states(self, longest_tokens: int) -> list[int]:
         return self.module.warm_up_label_states(longest_tokens)
 
@@ -438,6 +443,11 @@ class TransducerLoss:
         sm90, walk=cuda)", ...); settles the fused backend's CUDA C++ kernels now, so that a
         trainer pays for their build before its clock starts."""
         return self._impl.prepare(joint)
+
+    @property
+    def compiles_kernels(self) -> bool:
+        """Whether the backend has kernels for `warm_up` to compile."""
+        return self._impl.compiles_kernels
 
     def warm_up(self, joint: Joint, longest_tokens: int) -> None:
         """Forward and backward on stand-in batches through a copy of `joint`, so that the

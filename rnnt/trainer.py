@@ -558,7 +558,8 @@ class Trainer:
         device = self.ctx.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self.optimizer.warm_up()
-            self.loss_fn.warm_up(self.model.joint, self._longest_tokens())
+            if self.loss_fn.compiles_kernels:  # the longest transcript costs a tokenizer pass
+                self.loss_fn.warm_up(self.model.joint, self._longest_tokens())
             for loader in (self.train_loader, self.data.val):
                 warm_up = getattr(loader, "warm_up", None)
                 if warm_up is not None:

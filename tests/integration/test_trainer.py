@@ -365,9 +365,11 @@ def test_the_dev_set_is_read_while_the_first_epoch_trains(corpus, tmp_path):
 
 
 def test_the_warm_up_before_run_start_changes_nothing_of_the_run(corpus, tmp_path, capsys):
-    """The warm-up launches the optimizer's update, the loss (through a copy of the joint,
-    whose dropout draws from the global generator) and the device feature stage on stand-in
-    tensors before run_start: the run's losses and weights equal those of a run without it."""
+    """The warm-up launches the optimizer's update, the device feature stage and the
+    evaluation decoder on stand-in tensors before run_start: the run's losses and weights equal
+    those of a run without it. (The fused loss, whose stand-ins draw dropout from the global
+    generators too, runs on CUDA only; on an H200 the fast run with its warm-up repeated all
+    224 logged losses of a run without one, docs/CONVERGENCE.md.)"""
     extra = ("data.device=gpu", "training.epochs=1")  # the batched feature stage, on the CPU
     warmed = Trainer(make_cfg(corpus, tmp_path / "warmed", *extra), CPU)
     warmed.fit()

@@ -314,7 +314,12 @@ def test_the_fused_warm_up_compiles_every_kernel_variant_that_training_batches_r
     hid, vocab, longest = 16, 32, 20  # label tiles 16 and 32
     joint = Joint(ModelConfig(joint_n_hid=hid, n_classes=vocab, joint_dropout=0.1)).train()
     loss = TransducerLoss("fused", vocab - 1)
+    assert loss.compiles_kernels and not TransducerLoss("reference", vocab - 1).compiles_kernels
+    before = {k: v.clone() for k, v in joint.state_dict().items()}
     loss.warm_up(joint, longest)
+    # through a copy: the joint's weights and gradients are as they were
+    assert all(torch.equal(v, before[k]) for k, v in joint.state_dict().items())
+    assert all(param.grad is None for param in joint.parameters())
     warmed = {name: set(keys) for name, keys in launched.items()}
     assert {"hidden_kernel", "posteriors_kernel", "grad_fg_kernel"} <= set(warmed)
     launched.clear()
