@@ -104,27 +104,29 @@ def build_pipeline(
             dtype=[types.UINT8, types.FLOAT],
         )
         target_rate = cfg.sample_rate / speed  # evaluation feeds speed 1
-        # slice takes its region as CPU inputs: the region is computed from a CPU copy of the
-        # (resampled) audio. DALI's GPU nonsilent_region (real GPU kernels since DALI 1.16)
-        # with only the region copied back would save that copy; not yet checked to give the
-        # same regions
+        # slice takes its region as CPU inputs. With the audio resampled on the GPU, the
+        # region is found there (DALI's GPU nonsilent_region gives the CPU one's regions) and
+        # only its two numbers per utterance come back to the host, not the resampled audio,
+        # whose copy and CPU scan had bound the pipeline (docs/PERFORMANCE.md)
         if resampling_device == "gpu":
             audio, in_rate = fn.decoders.audio(encoded, downmix=True, dtype=types.FLOAT)
             audio = fn.audio_resample(audio.gpu(), in_rate=in_rate, out_rate=target_rate)
-            host_audio = audio.cpu()
+            scan_audio = audio
         else:
             audio, _ = fn.decoders.audio(
                 encoded, downmix=True, dtype=types.FLOAT, sample_rate=target_rate
             )
-            host_audio = audio
+            scan_audio = audio
             if device == "gpu":
                 audio = audio.gpu()
         begin, length = fn.nonsilent_region(
-            host_audio,
+            scan_audio,
             cutoff_db=cfg.silence_threshold_db,
             window_length=TRIM_WINDOW,
             reset_interval=TRIM_RESET_INTERVAL,
         )
+        if resampling_device == "gpu":
+            begin, length = begin.cpu(), length.cpu()
         audio = fn.slice(audio, begin, length, axes=[0])
         if cfg.dither > 0:
             audio = audio + cfg.dither * fn.random.normal(audio, device=device)
