@@ -749,6 +749,9 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
       }
     }
   }
+  // The producer thread's 31 warp-mates skipped its loop: a `.aligned` barrier needs the
+  // whole warp there together.
+  __syncwarp();
   cluster_sync();  // no CTA leaves while its partner may still write into it
 }
 
