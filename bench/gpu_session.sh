@@ -371,36 +371,44 @@ PY
     pgrep -fa "train.py configs/convergence" || echo "all runs ended" ;;
   stress)
     # RUNS_PER_GPU (default 3) short fast-path runs on every GPU at once, for STRESS_S seconds
-    # (default 110) each, from the checkpoint that `fork` copied (from scratch if none), with
-    # SETS and the source tree SRC (default this checkout; another commit's, unpacked from
-    # `git archive`, compares). Sharing a GPU stretches each kernel and lets the host run
-    # further ahead of it, which is what exposed an illegal memory access that one run per GPU
-    # had not shown (docs/CONVERGENCE.md). Prints each run's log points, exit status and first
-    # CUDA error.
+    # (default 170) each, from the checkpoint START (default: the one `fork` copied, else from
+    # scratch), with SETS and the source tree SRC (default this checkout; another commit's,
+    # unpacked from `git archive`, compares). Sharing a GPU stretches each kernel and lets the
+    # host run further ahead of it, which is what exposed an illegal memory access that one run
+    # per GPU had not shown (docs/CONVERGENCE.md). MEMCHECK=1 runs the last run of GPU 0 under
+    # compute-sanitizer's memcheck with the caching allocator on, so that it reports what
+    # faults: an access outside every allocation. Prints each run's exit status, last step and
+    # first CUDA error.
     src=${SRC:-.} per_gpu=${RUNS_PER_GPU:-3}
-    start=$(find "$runs" -maxdepth 1 -name 'start_ckpt_*' 2>/dev/null | sort | head -n 1)
+    start=${START:-$(find "$runs" -maxdepth 1 -name 'start_ckpt_*' 2>/dev/null | sort | head -n 1)}
     share=$(( $(nproc) / gpus / per_gpu ))
     mkdir -p "$OUT/stress"
     for g in $(seq 0 $(( gpus - 1 ))); do
       for k in $(seq 1 "$per_gpu"); do
         first=$(( (g * per_gpu + k - 1) * share ))
-        extra=()
+        extra=() wrap=(timeout "${STRESS_S:-170}")
         for kv in ${SETS:-}; do extra+=(--set "$kv"); done
-        [ -n "$start" ] && extra+=(--init-from "$start" --set training.target_wer=0)
+        [ -n "$start" ] && extra+=(--init-from "$start")
+        if [ -n "${MEMCHECK:-}" ] && [ "$g" = 0 ] && [ "$k" = "$per_gpu" ]; then
+          wrap=(timeout "$(( ${STRESS_S:-170} + 60 ))" compute-sanitizer --tool memcheck
+            --print-limit 10 --log-file "$OUT/stress/memcheck.txt")
+          extra+=(--set training.log_frequency=1)
+        fi
         ( CUDA_VISIBLE_DEVICES=$g taskset -c "$first-$(( first + share - 1 ))" \
-            timeout "${STRESS_S:-110}" python3 "$src/train.py" \
+            "${wrap[@]}" python3 "$src/train.py" \
             "$src/configs/convergence/sentences.yaml" --overwrite --set training.seed=$(( 10 + k )) \
-            --set data.num_threads=$(( share > 1 ? share - 1 : 1 )) \
+            --set data.num_threads=$(( share > 1 ? share - 1 : 1 )) --set training.target_wer=0 \
             --set training.output_dir="/tmp/stress_${g}_$k" "${extra[@]}" \
             > "$OUT/stress/gpu${g}_run$k.log" 2>&1
           echo $? > "$OUT/stress/gpu${g}_run$k.rc" ) &
       done
     done
     wait
-    for log in "$OUT"/stress/*.log; do
-      echo "$(basename "$log" .log): exit $(cat "${log%.log}.rc"), $(grep -c 'ms/step' "$log") log points;" \
-        "$(grep -m 1 -oE 'illegal memory access|CUDA error: [a-z ]+|AcceleratorError' "$log")"
-    done | tee "$OUT/stress/summary.txt" ;;
+    for log in "$OUT"/stress/gpu*.log; do
+      echo "$(basename "$log" .log): exit $(cat "${log%.log}.rc"), last $(grep -oE 'step [0-9]+' "$log" \
+        | tail -n 1);" "$(grep -m 1 -oE 'illegal memory access|CUDA error: [a-z ]+' "$log")"
+    done | tee "$OUT/stress/summary.txt"
+    [ -f "$OUT/stress/memcheck.txt" ] && grep -m 20 -A 8 "Invalid" "$OUT/stress/memcheck.txt" ;;
   evalparity)
     # the fast run's final checkpoint scored by eval.py in every decoder mode
     ckpt=$(find "$runs/${FAST_RUN:-fast_s1}/checkpoints" -mindepth 1 -maxdepth 1 -name 'ckpt_*' -printf '%T@ %p\n' \
