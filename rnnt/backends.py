@@ -4,7 +4,8 @@ Every automatic choice is made by a resolver beside the part it chooses for, and
 (choice, reason):
 - data: rnnt.data.loader.resolve_backend (dali, torch or synthetic; and where the feature stage
   runs, data.device);
-- encoder_lstm: rnnt.model.resolve_encoder_lstm (the wave kernels or nn.LSTM);
+- encoder_lstm: rnnt.model.resolve_encoder_lstm (the wave kernels or nn.LSTM), and at
+  evaluation rnnt.model.resolve_eval_encoder_lstm (eval_encoder_lstm);
 - loss: rnnt.loss.TransducerLoss.prepare, and for the fused loss its logits GEMM and lattice
   walk (rnnt.kernels.logits_gemm.resolve, rnnt.kernels.lattice_walk.resolve);
 - lamb: rnnt.optim.lamb.resolve_update (the Triton step or PyTorch's).
@@ -17,7 +18,7 @@ import torch
 
 from rnnt.config import Config
 from rnnt.data.loader import resolve_backend
-from rnnt.model import resolve_encoder_lstm
+from rnnt.model import resolve_encoder_lstm, resolve_eval_encoder_lstm
 
 Choice = tuple[str, str]  # (choice, reason)
 
@@ -30,11 +31,11 @@ def data_choice(cfg: Config) -> Choice:
     return f"{backend}/{cfg.data.device}", f"{reason}; features on data.device: {cfg.data.device}"
 
 
-def eval_choices(cfg: Config) -> dict[str, Choice]:
-    """The automatic choices of an evaluation (no loss, no optimizer; nn.LSTM always)."""
+def eval_choices(cfg: Config, device: torch.device) -> dict[str, Choice]:
+    """The automatic choices of an evaluation (no loss, no optimizer)."""
     return {
         "data": data_choice(cfg),
-        "encoder_lstm": ("cudnn", "evaluation always runs nn.LSTM"),
+        "encoder_lstm": resolve_eval_encoder_lstm(cfg.eval.encoder_lstm, cfg.model, device),
     }
 
 
@@ -46,6 +47,7 @@ def training_choices(cfg: Config, device: torch.device, loss: Choice, lamb: Choi
         "encoder_lstm": resolve_encoder_lstm(cfg.model, device, cfg.training.batch_size),
         "loss": loss,
         "lamb": lamb,
+        "eval_encoder_lstm": resolve_eval_encoder_lstm(cfg.eval.encoder_lstm, cfg.model, device),
     }
 
 

@@ -32,6 +32,7 @@ LossBackend = Literal["reference", "torchaudio", "fused", "apex"]
 FusedGemm = Literal["auto", "cublas", "sm90"]
 Precision = Literal["fp32", "fp16", "bf16"]
 EvalMode = Literal["no_cg", "cg", "cg_unroll_pipeline"]
+EvalEncoderLSTM = Literal["cudnn", "wave"]
 Preset = Literal["", "gbs512", "gbs1024", "gbs1536", "gbs2048", "gbs4096", "gbs6144"]
 
 
@@ -347,6 +348,10 @@ class EvalConfig(_Section):
     max_symbols_per_step: int = 30
     max_symbols_per_utterance: int = 300
     cg_unroll_factor: int = 4
+    # The encoder's LSTM stacks when scoring: "cudnn" (nn.LSTM) or "wave" (the wave kernels'
+    # forward with dropout off, their plain-PyTorch twin off the GPU): the recurrence a
+    # model.encoder_lstm wave | auto run trained with, tanh approximations and fp16 included.
+    encoder_lstm: EvalEncoderLSTM = "cudnn"
 
     def check(self) -> None:
         self.at_least(1, "batch_size", "max_symbols_per_step", "max_symbols_per_utterance")
@@ -386,6 +391,13 @@ class Config(_Section):
             f"must equal features.pad_features_to {self.features.pad_features_to}, got "
             f"{self.model.in_feats}",
         )
+        if self.eval.encoder_lstm == "wave":
+            self.require(
+                self.model.enc_n_hid % 32 == 0,
+                "eval.encoder_lstm",
+                f"wave needs model.enc_n_hid to be a multiple of 32 (its kernels: 1024), got "
+                f"{self.model.enc_n_hid}",
+            )
 
 
 def check_device(cfg: Config, device_type: str) -> None:

@@ -119,6 +119,7 @@ class EvalSetup:
 def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str = "ema"):
     """Build the eval model from `cfg`, load the EMA (or raw) weights of a checkpoint (its
     directory, or its model.pt) into it."""
+    choices = eval_choices(cfg, ctx.device)  # a backend that cannot run here stops first
     loader, checked = build_eval_data(cfg, ctx)  # seconds, before the checkpoint's load
     # the workers read the first batches while the checkpoint loads and the model is built
     start_reading = getattr(loader, "read_ahead", None)  # the torch loader's
@@ -129,7 +130,7 @@ def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str =
         raise CheckpointError(f"checkpoint not found: {path}")
     state = open_checkpoint(path).load("model", map_location="cpu")
     dtype = DTYPES[cfg.training.precision] if ctx.device.type == "cuda" else torch.float32
-    model = RNNT(cfg.model).to(ctx.device)
+    model = RNNT(cfg.model, cfg.eval.encoder_lstm).to(ctx.device)
     if weights == "ema":
         saved = state["ema"]["weights"]
         params = list(model.parameters())
@@ -155,7 +156,7 @@ def load_for_eval(cfg: Config, checkpoint: str, ctx: DistContext, weights: str =
         loader,
         transform,
         checked.tokenizer,
-        eval_choices(cfg),
+        choices,
         checked,
     )
 

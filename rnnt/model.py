@@ -72,10 +72,26 @@ def _resolve_stack(
     return "wave", f"auto: a Hopper GPU and a multiple of {lstm_wave.BATCH_MULTIPLE} rows"
 
 
+def resolve_eval_encoder_lstm(
+    choice: str, cfg: ModelConfig, device: torch.device
+) -> tuple[str, str]:
+    """(LSTM, reason) that runs the encoder's stacks when scoring under `eval.encoder_lstm:
+    choice`. Raises ConfigError where `wave` is asked for and cannot run."""
+    if choice == "cudnn":
+        return "cudnn", "eval.encoder_lstm: cudnn"
+    if device.type != "cuda":
+        return "wave", f"the kernels' plain-PyTorch twin on {device.type} (slow, for tests)"
+    for layers in (cfg.enc_pre_rnn_layers, cfg.enc_post_rnn_layers):
+        reason = lstm_wave.unsupported(device, cfg.enc_n_hid, layers)
+        if reason is not None:
+            raise ConfigError(f"eval.encoder_lstm: wave cannot run here: {reason}")
+    return "wave", "eval.encoder_lstm: wave"
+
+
 def resolve_encoder_lstm(cfg: ModelConfig, device: torch.device, batch: int) -> tuple[str, str]:
-    """(LSTM, reason) that trains the encoder's stacks at micro-batches of `batch` on `device`;
-    evaluation always runs nn.LSTM. Raises ConfigError where `wave` is asked for and cannot
-    run."""
+    """(LSTM, reason) that trains the encoder's stacks at micro-batches of `batch` on `device`
+    (evaluation: `resolve_eval_encoder_lstm`). Raises ConfigError where `wave` is asked for
+    and cannot run."""
     pre, post = (
         _resolve_stack(cfg.encoder_lstm, device, batch, cfg.enc_n_hid, layers)
         for layers in (cfg.enc_pre_rnn_layers, cfg.enc_post_rnn_layers)
@@ -102,8 +118,8 @@ class StackedLSTM(nn.Module):
     Time-major: x (T, B, H_in) -> (T, B, H). With
     `lstm="wave"` training runs through rnnt.kernels.lstm_wave (from zero state; no state
     returned) on the same parameters; `lstm="auto"` does so where the wave kernels run and
-    the batch is a multiple of their 192 rows (on a Hopper GPU), else nn.LSTM. Evaluation
-    always runs nn.LSTM.
+    the batch is a multiple of their 192 rows (on a Hopper GPU), else nn.LSTM. In eval mode
+    `eval_lstm` decides: "cudnn" (nn.LSTM) or "wave" (the kernels' forward, dropout off).
 
     `lengths` (B,), optional: the wave kernels skip the steps past the longest sequence (a
     CUDA-graph bucket pads most batches) and return zeros there; nn.LSTM runs every step. Either
@@ -118,12 +134,14 @@ class StackedLSTM(nn.Module):
         dropout: float,
         cfg: ModelConfig,
         lstm: str = "cudnn",
+        eval_lstm: str = "cudnn",
     ) -> None:
         super().__init__()
         self.num_layers = num_layers
         self.hidden_size = hidden_size
         self.dropout_p = dropout
         self.lstm = lstm
+        self.eval_lstm = eval_lstm
         # a list of one: the parameter names that checkpoints hold (layers.0.weight_ih_l0, ...)
         self.layers = nn.ModuleList(
             [nn.LSTM(input_size, hidden_size, num_layers=num_layers, dropout=dropout)]
@@ -157,6 +175,11 @@ class StackedLSTM(nn.Module):
                 raise ValueError("the wave LSTM runs from zero state only")
             y = lstm_wave.lstm_stack(x, self.layer_weights(), self.dropout_p, lengths=lengths)
             return y, None
+        if self.eval_lstm == "wave" and not self.training:
+            if state is not None:
+                raise ValueError("the wave LSTM runs from zero state only")
+            y = lstm_wave.lstm_stack(x, self.layer_weights(), 0.0, lengths=lengths)
+            return y.to(x.dtype), None
         x, state = self.layers[0](x, state)
         return self.dropout(x), state
 
@@ -196,11 +219,17 @@ class Encoder(nn.Module):
     x (T, B, in_feats), lens (B,) -> f (B, T', joint_n_hid), f_lens (B,).
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, eval_lstm: str = "cudnn") -> None:
         super().__init__()
         hid = cfg.enc_n_hid
         self.pre_rnn = StackedLSTM(
-            cfg.in_feats, hid, cfg.enc_pre_rnn_layers, cfg.enc_dropout, cfg, cfg.encoder_lstm
+            cfg.in_feats,
+            hid,
+            cfg.enc_pre_rnn_layers,
+            cfg.enc_dropout,
+            cfg,
+            cfg.encoder_lstm,
+            eval_lstm,
         )
         self.stack_time = StackTime(cfg.enc_stack_time_factor)
         self.post_rnn = StackedLSTM(
@@ -210,6 +239,7 @@ class Encoder(nn.Module):
             cfg.enc_dropout,
             cfg,
             cfg.encoder_lstm,
+            eval_lstm,
         )
         self.joint_enc = nn.Linear(hid, cfg.joint_n_hid)
 
@@ -295,11 +325,14 @@ class Joint(nn.Module):
 
 
 class RNNT(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The transducer. `eval_encoder_lstm` ("cudnn" or "wave", a config's eval.encoder_lstm):
+    what runs the encoder's LSTM stacks in eval mode."""
+
+    def __init__(self, cfg: ModelConfig, eval_encoder_lstm: str = "cudnn") -> None:
         super().__init__()
         self.cfg = cfg
         self.blank_idx = cfg.blank_idx
-        self.encoder = Encoder(cfg)
+        self.encoder = Encoder(cfg, eval_encoder_lstm)
         self.prediction = Prediction(cfg)
         self.joint = Joint(cfg)
 

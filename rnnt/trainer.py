@@ -167,7 +167,7 @@ class Trainer:
         self.eval_transform = BatchTransform(cfg.features, train=False, dtype=self.dtype)
         # Evaluation runs on a separate copy that receives the EMA weights in place, so graphs
         # captured on it stay valid and the training weights are never swapped out.
-        self.eval_model = RNNT(cfg.model).to(ctx.device, self.dtype).eval()
+        self.eval_model = RNNT(cfg.model, cfg.eval.encoder_lstm).to(ctx.device, self.dtype).eval()
         self.decoder = build_decoder(cfg, self.eval_model)
         self.graphs = None
         if cfg.training.num_cg > 0:

@@ -50,6 +50,30 @@ def test_a_checkpoint_scores(capsys, checkpoint):
     assert 0 < float(waiting) <= float(total)
 
 
+def test_the_wave_encoder_scores_what_nn_lstm_scores(capsys, checkpoint):
+    sets, path = checkpoint
+    hyps, lines = {}, {}
+    for lstm in ("cudnn", "wave"):
+        argv = [
+            str(TINY),
+            str(path),
+            "--device",
+            "cpu",
+            *sets,
+            "--set",
+            f"eval.encoder_lstm={lstm}",
+        ]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        (lines[lstm],) = [x for x in out.splitlines() if x.startswith("backends:")]
+        hyps[lstm] = [
+            json.loads(x) for x in path.with_suffix(".hyps.jsonl").read_text().splitlines()
+        ]
+    assert lines["wave"].endswith("encoder_lstm=wave"), lines
+    assert lines["cudnn"].endswith("encoder_lstm=cudnn"), lines
+    assert len(hyps["wave"]) == 12 and hyps["wave"] == hyps["cudnn"]
+
+
 def test_the_dev_set_is_read_while_the_checkpoint_loads(capsys, checkpoint, monkeypatch):
     """eval.py's workers start before the checkpoint is opened, so the dev set's time does
     not include their start; the scores are those of a loader started when asked."""

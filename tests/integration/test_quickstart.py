@@ -48,7 +48,10 @@ def test_quickstart_trains_digits_to_target_with_a_compliant_log(repo_root, tmp_
 
     # training and eval.py say which implementations ran (rnnt.backends)
     assert re.search(
-        r"backends: data=\S+/cpu encoder_lstm=cudnn loss=reference lamb=torch$", log, re.M
+        r"backends: data=\S+/cpu encoder_lstm=cudnn loss=reference lamb=torch "
+        r"eval_encoder_lstm=cudnn$",
+        log,
+        re.M,
     )
     assert re.search(r"^backends: data=\S+/cpu encoder_lstm=cudnn$", log, re.M), log[-2000:]
 

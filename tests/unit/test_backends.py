@@ -21,7 +21,10 @@ def test_the_training_line_on_the_cpu_names_every_choice():
     loss = TransducerLoss(cfg.loss.backend, cfg.model.blank_idx).prepare(joint)
     choices = training_choices(cfg, CPU, loss, resolve_update(CPU))
     line = backend_line(choices)
-    assert line == "backends: data=torch/cpu encoder_lstm=cudnn loss=reference lamb=torch"
+    assert line == (
+        "backends: data=torch/cpu encoder_lstm=cudnn loss=reference lamb=torch "
+        "eval_encoder_lstm=cudnn"
+    )
     assert choices["lamb"] == ("torch", "the Triton kernel runs on CUDA, not on cpu")
     assert choices["encoder_lstm"] == ("cudnn", "model.encoder_lstm: cudnn")
     assert choices["data"][1] == "data.backend: torch; features on data.device: cpu"
@@ -30,10 +33,18 @@ def test_the_training_line_on_the_cpu_names_every_choice():
 def test_the_data_choice_names_the_feature_stage_unless_synthetic():
     assert data_choice(load_config(None, ["data.backend=torch"]))[0] == "torch/gpu"
     assert data_choice(load_config(None, ["data.backend=synthetic"]))[0] == "synthetic"
-    assert eval_choices(load_config(None, ["data.backend=torch", "data.device=cpu"])) == {
+    assert eval_choices(load_config(None, ["data.backend=torch", "data.device=cpu"]), CPU) == {
         "data": ("torch/cpu", "data.backend: torch; features on data.device: cpu"),
-        "encoder_lstm": ("cudnn", "evaluation always runs nn.LSTM"),
+        "encoder_lstm": ("cudnn", "eval.encoder_lstm: cudnn"),
     }
+
+
+def test_the_eval_encoder_choice_off_the_gpu_is_the_kernels_twin():
+    cfg = load_config(None, ["data.backend=torch", "data.device=cpu", "eval.encoder_lstm=wave"])
+    assert eval_choices(cfg, CPU)["encoder_lstm"] == (
+        "wave",
+        "the kernels' plain-PyTorch twin on cpu (slow, for tests)",
+    )
 
 
 def test_the_encoder_lstm_choice_off_the_gpu():

@@ -297,6 +297,52 @@ def test_the_wave_encoder_trains_the_same_function_on_the_same_parameters():
         assert torch.equal(cudnn.encoder(x, lens)[0], wave.encoder(x, lens)[0])
 
 
+def test_eval_encoder_lstm_wave_scores_with_the_kernels_forward(monkeypatch):
+    calls = []
+    real = lstm_wave.lstm_stack
+
+    def counted(x, layers, p, *args, **kwargs):
+        calls.append(p)
+        return real(x, layers, p, *args, **kwargs)
+
+    monkeypatch.setattr(lstm_wave, "lstm_stack", counted)
+    kw = dict(enc_n_hid=32, in_feats=24, enc_dropout=0.3)
+    torch.manual_seed(0)
+    cudnn = RNNT(tiny_cfg(**kw)).double().eval()
+    wave = RNNT(tiny_cfg(**kw), eval_encoder_lstm="wave").double().eval()
+    wave.load_state_dict(cudnn.state_dict())
+    x = torch.randn(11, 3, 24, dtype=F64)
+    lens = torch.tensor([11, 9, 4])
+    with torch.no_grad():
+        f1, l1 = cudnn.encoder(x, lens)
+        f2, l2 = wave.encoder(x, lens)
+    assert calls == [0.0, 0.0]  # both stacks, dropout off
+    assert torch.equal(l1, l2)
+    assert (f1 - f2).abs().max() < 1e-12
+    # training is untouched by the eval switch: nn.LSTM and nn.Dropout
+    wave.train()
+    wave.encoder(x, lens)
+    assert calls == [0.0, 0.0]
+
+
+def test_eval_encoder_lstm_values_are_checked_against_the_model():
+    from rnnt.config import load_config
+
+    with pytest.raises(ConfigError, match="eval.encoder_lstm: expected one of .* got 'wav'"):
+        load_config(None, ["eval.encoder_lstm=wav"])
+    with pytest.raises(ConfigError, match="eval.encoder_lstm: wave needs .* multiple of 32"):
+        load_config(None, ["eval.encoder_lstm=wave", "model.enc_n_hid=24"])
+
+
+def test_eval_encoder_lstm_wave_is_refused_where_the_kernels_cannot_run(monkeypatch):
+    from rnnt.model import resolve_eval_encoder_lstm
+
+    monkeypatch.setattr(lstm_wave, "unsupported", lambda *args: "a Hopper GPU; this is 8.0")
+    with pytest.raises(ConfigError, match="eval.encoder_lstm: wave cannot run here: a Hopper"):
+        resolve_eval_encoder_lstm("wave", tiny_cfg(enc_n_hid=32), torch.device("cuda"))
+    assert resolve_eval_encoder_lstm("cudnn", tiny_cfg(), torch.device("cuda"))[0] == "cudnn"
+
+
 def test_the_wave_encoder_draws_fresh_dropout_per_call_from_torchs_generator():
     model = RNNT(tiny_cfg(enc_n_hid=32, encoder_lstm="wave", enc_dropout=0.3)).train()
     x, lens = torch.randn(6, 2, 16), torch.tensor([6, 6])
@@ -571,6 +617,31 @@ def test_gpu_auto_runs_the_wave_kernels_for_multiples_of_192_rows(monkeypatch):
     for batch in (192, 64):
         model.encoder.pre_rnn(torch.randn(4, batch, 256, device="cuda", dtype=torch.float16))
     assert calls == [192]
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_eval_encoder_lstm_wave_scores_like_cudnn_on_a_ragged_dev_batch():
+    cfg = tiny_cfg(enc_n_hid=lstm_wave.HIDDEN, in_feats=256)
+    torch.manual_seed(0)
+    cudnn = RNNT(cfg).cuda().half().eval()
+    wave = RNNT(cfg, eval_encoder_lstm="wave").cuda().half().eval()
+    wave.load_state_dict(cudnn.state_dict())
+    exact = RNNT(cfg).cuda().float().eval()
+    exact.load_state_dict(cudnn.state_dict())
+    steps, batch = 60, 338  # the dev set's batch: no multiple of the kernels' rows
+    lens = torch.randint(1, steps + 1, (batch,), device="cuda")
+    lens[0] = steps
+    x = torch.randn(steps, batch, 256, device="cuda") * 0.5
+    with torch.no_grad():
+        want, want_lens = exact.encoder(x, lens)
+        f16, _ = cudnn.encoder(x.half(), lens)
+        got, got_lens = wave.encoder(x.half(), lens)
+    assert torch.equal(got_lens, want_lens) and got.dtype == torch.float16
+    valid = torch.arange(want.shape[1], device="cuda")[None, :] < want_lens[:, None]
+    err = (got.float() - want)[valid].norm() / want[valid].norm()
+    err16 = (f16.float() - want)[valid].norm() / want[valid].norm()
+    assert err < max(3 * err16, 2e-3), (err.item(), err16.item())
 
 
 @pytest.mark.gpu
