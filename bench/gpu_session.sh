@@ -36,6 +36,8 @@
 #                                         # the loss plateau
 #   bash bench/gpu_session.sh wait        # until they end (or this call's time); their metrics
 #   bash bench/gpu_session.sh evalparity  # eval.py in every decoder mode; compliance checker
+#   bash bench/gpu_session.sh rescore     # each run's checkpoint scored with nn.LSTM and the wave
+#                                         # kernels' forward (eval.encoder_lstm)
 #   bash bench/gpu_session.sh stress      # several short runs on every GPU at once: races
 #   bash bench/gpu_session.sh bundle      # $OUT's files in one $OUT/results.tar.gz (the device
 #                                         # tool brings back at most 8 files a call)
@@ -55,7 +57,7 @@ if [ -n "${ON_GPU:-}" ]; then
   exec env ON_GPU= CUDA_VISIBLE_DEVICES="$ON_GPU" taskset -c "$first-$(( first + share - 1 ))" \
     bash "$0" "$@"
 fi
-phase=${1:?phase: tests | loss | step | lstm | resample | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | fork | wait | evalparity | stress | bundle}
+phase=${1:?phase: tests | loss | step | lstm | resample | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | fork | wait | evalparity | rescore | stress | bundle}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
 # the spoken-digits corpus the distributed tests train on (this machine has no espeak-ng):
@@ -409,14 +411,36 @@ PY
         | tail -n 1);" "$(grep -m 1 -oE 'illegal memory access|CUDA error: [a-z ]+' "$log")"
     done | tee "$OUT/stress/summary.txt"
     [ -f "$OUT/stress/memcheck.txt" ] && grep -m 20 -A 8 "Invalid" "$OUT/stress/memcheck.txt" ;;
+  rescore)
+    # every run's final checkpoint under results/convergence whose name matches RUNS_GLOB
+    # (default *fast*) scored by eval.py with the encoder's stacks on nn.LSTM and on the wave
+    # kernels' forward (eval.encoder_lstm): does scoring with the recurrence a run trained
+    # with change its WER?
+    for dir in "$runs"/${RUNS_GLOB:-*fast*}/checkpoints; do
+      ckpt=$(find "$dir" -mindepth 1 -maxdepth 1 -name 'ckpt_*' -printf '%T@ %p\n' | sort -n \
+        | tail -n 1 | cut -d' ' -f2-)
+      [ -n "$ckpt" ] || continue
+      for lstm in cudnn wave; do
+        echo "== $ckpt eval.encoder_lstm=$lstm"
+        python3 eval.py configs/convergence/sentences.yaml "$ckpt" --mode cg_unroll_pipeline \
+          --set eval.encoder_lstm="$lstm" --output "/tmp/hyp_rescore.jsonl" 2>&1 \
+          | grep -E "^WER|throughput"
+      done
+    done | tee "$OUT/rescore.log" ;;
   evalparity)
-    # the fast run's final checkpoint scored by eval.py in every decoder mode
+    # the fast run's final checkpoint scored by eval.py in every decoder mode, then with the
+    # wave encoder
     ckpt=$(find "$runs/${FAST_RUN:-fast_s1}/checkpoints" -mindepth 1 -maxdepth 1 -name 'ckpt_*' -printf '%T@ %p\n' \
       | sort -n | tail -n 1 | cut -d' ' -f2-)
     for mode in no_cg cg cg_unroll_pipeline; do
       python3 eval.py configs/convergence/sentences.yaml "$ckpt" --mode "$mode" \
         --output "/tmp/hyp_$mode.jsonl" 2>&1 | grep -v Warning | tee "$OUT/eval_$mode.log"
     done
+    # the same checkpoint scored with the recurrence it trained with (the wave kernels'
+    # forward): its WER against nn.LSTM's, and the dev set's time
+    python3 eval.py configs/convergence/sentences.yaml "$ckpt" --mode cg_unroll_pipeline \
+      --set eval.encoder_lstm=wave --output /tmp/hyp_wave.jsonl 2>&1 | grep -v Warning \
+      | tee "$OUT/eval_wave.log"
     log="$runs/${FAST_RUN:-fast_s1}/mlperf.log"
     grep -h '"eval_accuracy"' "$log" | tail -n 1 | tee "$OUT/last_eval.txt"
     python3 -m mlperf_logging.compliance_checker --usage training --ruleset 3.1.0 \
