@@ -91,7 +91,7 @@ def build_pipeline(
         device_id=device_id if device == "gpu" else None,
         seed=seed,
         prefetch_queue_depth=2,
-        exec_dynamic=True,  # allows the GPU -> CPU copy of the audio for the trim region
+        exec_dynamic=True,  # allows the GPU -> CPU copy of the trim region for slice
         # the dither generator's state goes into the training checkpoints: an exact resume
         enable_checkpointing=True,
     )
