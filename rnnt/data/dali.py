@@ -63,13 +63,16 @@ def build_pipeline(
     device: str = "cpu",
     resampling_device: str = "cpu",
     device_id: int | None = None,
+    prefetch: int = 1,
     checkpoint: bytes | None = None,
 ):
     """A built DALI pipeline whose outputs are (padded feats (B, F, T), feature shapes (B, 2)).
 
     `source` is an external_source iterable yielding ([encoded uint8 arrays], [speeds]) per
-    batch and raising StopIteration at the end of an epoch (cycle="raise"). `checkpoint`: what
-    `pipeline.checkpoint()` returned, to continue its random generators from there.
+    batch and raising StopIteration at the end of an epoch (cycle="raise"). `prefetch`: the
+    batches DALI computes ahead of the one taken (data.device_prefetch; its queue holds one
+    more). `checkpoint`: what `pipeline.checkpoint()` returned, to continue its random
+    generators from there.
     """
     if device not in ("cpu", "gpu") or resampling_device not in ("cpu", "gpu"):
         raise ValueError(
@@ -90,7 +93,7 @@ def build_pipeline(
         num_threads=num_threads,
         device_id=device_id if device == "gpu" else None,
         seed=seed,
-        prefetch_queue_depth=2,
+        prefetch_queue_depth=1 + prefetch,
         exec_dynamic=True,  # allows the GPU -> CPU copy of the trim region for slice
         # the dither generator's state goes into the training checkpoints: an exact resume
         enable_checkpointing=True,
@@ -204,6 +207,7 @@ class DaliFeatureIterator:
         device: str,
         resampling_device: str,
         torch_device: torch.device,
+        prefetch: int = 1,
     ) -> None:
         if not DALI_AVAILABLE:
             raise RuntimeError("data.backend = dali but nvidia.dali is not importable")
@@ -230,6 +234,7 @@ class DaliFeatureIterator:
             device,
             resampling_device,
             device_id,
+            prefetch,
         )
         self.pipeline = build_pipeline(*self._build_args)
         self._passes = 0

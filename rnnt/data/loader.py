@@ -646,6 +646,7 @@ def build_loader(
             cfg.data.device,
             cfg.data.resampling_device,
             device,
+            cfg.data.device_prefetch,
         )
     return TrainLoader(loader, sampler) if train else loader
 

@@ -263,13 +263,41 @@ def test_files_read_ahead_keep_their_order_and_a_later_bad_file_is_named(corpus,
         np.testing.assert_allclose(feats, features[utt_id], atol=1e-5, err_msg=utt_id)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_generator_state_resumes_the_dither_exactly(corpus, device):
+def test_the_prefetch_depth_changes_no_batch(corpus):
+    """data.device_prefetch sets how far DALI runs ahead; the batches, their speed draws and
+    their dither are the same at every depth, over an epoch boundary."""
+
+    def epochs(prefetch: int) -> list[tuple[list[str], torch.Tensor]]:
+        cfg = _cfg("dali")
+        cfg.data.device_prefetch = prefetch
+        sampler = BucketingSampler([u.duration for u in corpus], 2, 1, 0, 1, seed=1)
+        loader = build_loader(cfg, corpus, train=True, sampler=sampler)
+        out = []
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            out += [(b.utt_ids, b.feats) for b in loader]
+        assert loader.backend.pipeline.prefetch_queue_depth == prefetch + 1
+        return out
+
+    reference = epochs(1)
+    assert len(reference) == 4
+    for prefetch in (0, 3):
+        got = epochs(prefetch)
+        assert [ids for ids, _ in got] == [ids for ids, _ in reference]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, reference)), prefetch
+
+
+@pytest.mark.parametrize(
+    "device, prefetch",
+    [("cpu", 1), ("cpu", 3), pytest.param("gpu", 1, marks=pytest.mark.gpu)],
+)
+def test_generator_state_resumes_the_dither_exactly(corpus, device, prefetch):
     """A loader restored from (position, generator state) after one batch gives the second
     batch bit for bit; one restored from the position alone dithers differently. On the GPU
-    the features (and the dither) are DALI's GPU operators."""
+    the features (and the dither) are DALI's GPU operators. However far DALI has run ahead."""
     cfg = _cfg("dali")
     cfg.data.device = device
+    cfg.data.device_prefetch = prefetch
 
     def loader():
         sampler = BucketingSampler([u.duration for u in corpus], 2, 1, 0, 1, seed=1)
