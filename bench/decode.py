@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     frames = [-(-t // stack) for t in spliced]  # encoder frames
 
     torch.manual_seed(args.seed)
-    model = RNNT(cfg.model)
+    model = RNNT(cfg.model, cfg.eval.encoder_lstm)  # --set eval.encoder_lstm=wave times the kernels
     if args.checkpoint:
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state.get("model", state))
@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_symbols_per_step": cfg.eval.max_symbols_per_step,
         "max_symbols_per_utterance": cfg.eval.max_symbols_per_utterance,
         "cg_unroll_factor": cfg.eval.cg_unroll_factor,
+        "encoder_lstm": cfg.eval.encoder_lstm,
         "rows": [],
     }
 
@@ -350,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     print(result["emissions"])
-    print(f"{n_utts} utterances, {result['device']}, {result['dtype']}")
+    where = f"{result['device']}, {result['dtype']}, encoder {result['encoder_lstm']}"
+    print(f"{n_utts} utterances, {where}")
     print(
         f"{'mode':<20}{'batch':>6}{'utts':>6}{'decode s':>10}{'utt/s':>10}"
         f"{'+enc utt/s':>12}{'symbols':>9}"
