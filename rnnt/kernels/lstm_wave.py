@@ -532,13 +532,17 @@ def lstm_stack(
     """An LSTM stack with dropout p after every layer, zero initial state: x (T, B, K) ->
     (T, B, H). By default the CUDA kernels on a GPU (fp16; an error says why where they cannot
     run) and TorchKernels elsewhere; `kernels` picks others (a launch variant, say). `seed` (a
-    one-element int32 tensor on x's device) is drawn from torch's generator when not given. The
+    one-element int32 tensor on x's device) is drawn from torch's generator when not given and
+    p > 0; without dropout nothing is drawn, so that scoring with these kernels between
+    training steps leaves training's random streams where they were. The
     batch is padded to a multiple of 192 and the first layer's input to a multiple of 64
     features, invisibly to the caller. `lengths` (B,): where given, the steps at and past the
     longest are padding: skipped, with zero outputs (no host sync: the count stays on the
     device)."""
-    if seed is None:
+    if seed is None and p > 0:
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=x.device)
+    elif seed is None:
+        seed = torch.zeros(1, dtype=torch.int32, device=x.device)  # no mask reads it
     if kernels is None and x.is_cuda:
         reason = unsupported(x.device, layers[0][1].shape[1], len(layers))
         if reason is not None:

@@ -454,3 +454,32 @@ def test_no_triton_kernel_compiles_in_the_first_steps_after_the_warm_up(corpus, 
     assert graph is not None  # captured by the warm-up
     trainer.run_eval()
     assert trainer.decoder._graph is graph
+
+
+@pytest.mark.parametrize(
+    "device,eval_lstm",
+    [("cpu", "cudnn"), pytest.param("cuda", "wave", marks=pytest.mark.gpu)],
+)
+def test_an_evaluation_leaves_trainings_random_streams_where_they_were(
+    corpus, tmp_path, device, eval_lstm
+):
+    """The trainer scores between epochs: a draw from the global generators there would move
+    every later dropout mask, so the same seed would train differently with another
+    eval.encoder_lstm (the wave forward drew a dropout seed with dropout off, and the fast run
+    on an H200 left the plateau an epoch earlier than with cudnn scoring)."""
+    from rnnt.distributed import init_distributed
+
+    extra = [f"eval.encoder_lstm={eval_lstm}"]
+    if device == "cuda":
+        extra += ["data.device=gpu", "training.precision=fp16", "model.enc_n_hid=64"]
+        extra += ["model.pred_n_hid=64", "model.joint_n_hid=64"]
+    trainer = Trainer(make_cfg(corpus, tmp_path / "run", *extra), init_distributed(device))
+    trainer.train_epoch()
+    cpu, augment = torch.get_rng_state(), trainer.augment_generator.get_state()
+    cuda = torch.cuda.get_rng_state() if device == "cuda" else None
+    result = trainer.run_eval()
+    assert result.utterances == 12 and 0 <= result.wer
+    assert torch.equal(torch.get_rng_state(), cpu)
+    assert torch.equal(trainer.augment_generator.get_state(), augment)
+    if device == "cuda":
+        assert torch.equal(torch.cuda.get_rng_state(), cuda)

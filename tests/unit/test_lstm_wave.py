@@ -325,6 +325,22 @@ def test_eval_encoder_lstm_wave_scores_with_the_kernels_forward(monkeypatch):
     assert calls == [0.0, 0.0]
 
 
+def test_scoring_with_the_wave_forward_draws_nothing_from_torchs_generators():
+    # The trainer scores between epochs; a draw there would shift every later dropout mask
+    # and SpecAugment draw, so the same seed would train differently with eval.encoder_lstm
+    # wave than with cudnn (it did, on an H200: a different dev WER curve from epoch 2).
+    torch.manual_seed(0)
+    wave = RNNT(tiny_cfg(enc_n_hid=32, in_feats=24), eval_encoder_lstm="wave").double().eval()
+    x = torch.randn(11, 3, 24, dtype=F64)
+    before = torch.get_rng_state()
+    with torch.no_grad():
+        wave.encoder(x, torch.tensor([11, 9, 4]))
+    assert torch.equal(torch.get_rng_state(), before)
+    # with dropout the seed is still drawn per call (fresh masks on every graph replay)
+    lstm_wave.lstm_stack(x, wave.encoder.pre_rnn.layer_weights(), 0.3)
+    assert not torch.equal(torch.get_rng_state(), before)
+
+
 def test_eval_encoder_lstm_values_are_checked_against_the_model():
     from rnnt.config import load_config
 
