@@ -331,20 +331,22 @@ for line in open(sys.argv[1]):
     # Runs that start from a checkpoint of the fast run FAST_RUN (default fast_s1) instead of
     # from scratch: the first one whose dev WER is below FORK_WER (default 0.95), so after the
     # run has left the loss plateau whose end varies by 1,000 steps between runs
-    # (docs/CONVERGENCE.md). FORKS names them (default "plain_s1 plain_s2 fast_s2"); they train
-    # FORK_EPOCHS (default 6) epochs past it, target off; FORK_TAG (with SETS, say) goes into
-    # their names. Waits up to WAIT_S for that
+    # (docs/CONVERGENCE.md); FORK_EPOCH=n takes that epoch's checkpoint instead, for when a
+    # change to the evaluation moves the WERs that pick it. FORKS names them (default
+    # "plain_s1 plain_s2 fast_s2"); they train FORK_EPOCHS (default 6) epochs past it, target
+    # off; FORK_TAG (with SETS, say) goes into their names. Waits up to WAIT_S for that
     # checkpoint, and copies it beside the runs, out of reach of the fast run's retention.
     deadline=$(( $(date +%s) + ${WAIT_S:-540} )) ckpt=""
     while [ -z "$ckpt" ] && [ "$(date +%s)" -lt "$deadline" ]; do
-      ckpt=$(python3 - "$runs/${FAST_RUN:-fast_s1}/checkpoints" "${FORK_WER:-0.95}" <<'PY'
+      ckpt=$(python3 - "$runs/${FAST_RUN:-fast_s1}/checkpoints" "${FORK_WER:-0.95}" "${FORK_EPOCH:-}" <<'PY'
 import json, sys
 from pathlib import Path
 found = []
 for done in Path(sys.argv[1]).glob("ckpt_e*/complete.json"):
     wer = json.loads(done.read_text()).get("meta", {}).get("wer")
-    if wer is not None and wer < float(sys.argv[2]):
-        found.append((int(done.parent.name.split("_")[1][1:]), str(done.parent)))
+    epoch = int(done.parent.name.split("_")[1][1:])
+    if (str(epoch) == sys.argv[3]) if sys.argv[3] else (wer is not None and wer < float(sys.argv[2])):
+        found.append((epoch, str(done.parent)))
 print(min(found)[1] if found else "")
 PY
 )
@@ -415,16 +417,16 @@ PY
     # every run's final checkpoint under results/convergence whose name matches RUNS_GLOB
     # (default *fast*) scored by eval.py with the encoder's stacks on nn.LSTM and on the wave
     # kernels' forward (eval.encoder_lstm): does scoring with the recurrence a run trained
-    # with change its WER?
+    # with change its WER? CKPTS=n scores the last n checkpoints kept, oldest first: a curve.
     for dir in "$runs"/${RUNS_GLOB:-*fast*}/checkpoints; do
-      ckpt=$(find "$dir" -mindepth 1 -maxdepth 1 -name 'ckpt_*' -printf '%T@ %p\n' | sort -n \
-        | tail -n 1 | cut -d' ' -f2-)
-      [ -n "$ckpt" ] || continue
-      for lstm in cudnn wave; do
-        echo "== $ckpt eval.encoder_lstm=$lstm"
-        python3 eval.py configs/convergence/sentences.yaml "$ckpt" --mode cg_unroll_pipeline \
-          --set eval.encoder_lstm="$lstm" --output "/tmp/hyp_rescore.jsonl" 2>&1 \
-          | grep -E "^WER|throughput"
+      for ckpt in $(find "$dir" -mindepth 1 -maxdepth 1 -name 'ckpt_*' -printf '%T@ %p\n' \
+          | sort -n | tail -n "${CKPTS:-1}" | cut -d' ' -f2-); do
+        for lstm in cudnn wave; do
+          echo "== $ckpt eval.encoder_lstm=$lstm"
+          python3 eval.py configs/convergence/sentences.yaml "$ckpt" --mode cg_unroll_pipeline \
+            --set eval.encoder_lstm="$lstm" --output "/tmp/hyp_rescore.jsonl" 2>&1 \
+            | grep -E "^WER|throughput"
+        done
       done
     done | tee "$OUT/rescore.log" ;;
   evalparity)
