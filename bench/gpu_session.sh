@@ -376,7 +376,8 @@ PY
   stress)
     # RUNS_PER_GPU (default 3) short fast-path runs on every GPU at once, for STRESS_S seconds
     # (default 170) each, from the checkpoint START (default: the one `fork` copied, else from
-    # scratch), with SETS and the source tree SRC (default this checkout; another commit's,
+    # scratch), run k of each GPU with seed SEED0 + k (default 10 + k), with SETS and the
+    # source tree SRC (default this checkout; another commit's,
     # unpacked from `git archive`, compares). Sharing a GPU stretches each kernel and lets the
     # host run further ahead of it, which is what exposed an illegal memory access that one run
     # per GPU had not shown (docs/CONVERGENCE.md). MEMCHECK=1 runs the last run of GPU 0 under
@@ -400,7 +401,7 @@ PY
         fi
         ( CUDA_VISIBLE_DEVICES=$g taskset -c "$first-$(( first + share - 1 ))" \
             "${wrap[@]}" python3 "$src/train.py" \
-            "$src/configs/convergence/sentences.yaml" --overwrite --set training.seed=$(( 10 + k )) \
+            "$src/configs/convergence/sentences.yaml" --overwrite --set training.seed=$(( ${SEED0:-10} + k )) \
             --set data.num_threads=$(( share > 1 ? share - 1 : 1 )) --set training.target_wer=0 \
             --set training.output_dir="/tmp/stress_${g}_$k" "${extra[@]}" \
             > "$OUT/stress/gpu${g}_run$k.log" 2>&1
