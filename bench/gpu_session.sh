@@ -382,8 +382,11 @@ PY
     # host run further ahead of it, which is what exposed an illegal memory access that one run
     # per GPU had not shown (docs/CONVERGENCE.md). MEMCHECK=1 runs the last run of GPU 0 under
     # compute-sanitizer's memcheck with the caching allocator on, so that it reports what
-    # faults: an access outside every allocation. Prints each run's exit status, last step and
-    # first CUDA error.
+    # faults: an access outside every allocation. COREDUMP=1: every run writes a lightweight
+    # CUDA core dump when a kernel faults, and cuda-gdb (where installed) names the kernel; at
+    # full speed, unlike memcheck. Arms per GPU g: ENV_GPU<g> (say
+    # ENV_GPU1="CUDA_MODULE_LOADING=EAGER") and SETS_GPU<g> (say SETS_GPU2="data.device=cpu").
+    # Prints each run's exit status, last step and first CUDA error.
     src=${SRC:-.} per_gpu=${RUNS_PER_GPU:-3}
     start=${START:-$(find "$runs" -maxdepth 1 -name 'start_ckpt_*' 2>/dev/null | sort | head -n 1)}
     share=$(( $(nproc) / gpus / per_gpu ))
@@ -391,15 +394,19 @@ PY
     for g in $(seq 0 $(( gpus - 1 ))); do
       for k in $(seq 1 "$per_gpu"); do
         first=$(( (g * per_gpu + k - 1) * share ))
-        extra=() wrap=(timeout "${STRESS_S:-170}")
-        for kv in ${SETS:-}; do extra+=(--set "$kv"); done
+        extra=() wrap=(timeout "${STRESS_S:-170}") arm_env=ENV_GPU$g arm_sets=SETS_GPU$g
+        for kv in ${SETS:-} ${!arm_sets:-}; do extra+=(--set "$kv"); done
+        # shellcheck disable=SC2206
+        envs=(${!arm_env:-})
+        [ -n "${COREDUMP:-}" ] && envs+=(CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1
+          CUDA_ENABLE_LIGHTWEIGHT_COREDUMP=1 CUDA_COREDUMP_FILE="$OUT/stress/core_gpu${g}_run$k")
         [ -n "$start" ] && extra+=(--init-from "$start")
         if [ -n "${MEMCHECK:-}" ] && [ "$g" = 0 ] && [ "$k" = "$per_gpu" ]; then
           wrap=(timeout "$(( ${STRESS_S:-170} + 60 ))" compute-sanitizer --tool memcheck
             --print-limit 10 --log-file "$OUT/stress/memcheck.txt")
           extra+=(--set training.log_frequency=1)
         fi
-        ( CUDA_VISIBLE_DEVICES=$g taskset -c "$first-$(( first + share - 1 ))" \
+        ( env "${envs[@]}" CUDA_VISIBLE_DEVICES="$g" taskset -c "$first-$(( first + share - 1 ))" \
             "${wrap[@]}" python3 "$src/train.py" \
             "$src/configs/convergence/sentences.yaml" --overwrite --set training.seed=$(( ${SEED0:-10} + k )) \
             --set data.num_threads=$(( share > 1 ? share - 1 : 1 )) --set training.target_wer=0 \
@@ -413,7 +420,14 @@ PY
       echo "$(basename "$log" .log): exit $(cat "${log%.log}.rc"), last $(grep -oE 'step [0-9]+' "$log" \
         | tail -n 1);" "$(grep -m 1 -oE 'illegal memory access|CUDA error: [a-z ]+' "$log")"
     done | tee "$OUT/stress/summary.txt"
-    [ -f "$OUT/stress/memcheck.txt" ] && grep -m 20 -A 8 "Invalid" "$OUT/stress/memcheck.txt" ;;
+    [ -f "$OUT/stress/memcheck.txt" ] && grep -m 20 -A 8 "Invalid" "$OUT/stress/memcheck.txt"
+    for core in "$OUT"/stress/core_*; do
+      [ -f "$core" ] || continue
+      echo "== $core"
+      if command -v cuda-gdb >/dev/null; then
+        cuda-gdb -batch -ex "target cudacore $core" -ex "info cuda kernels" 2>&1 | tail -n 20
+      fi
+    done ;;
   rescore)
     # every run's final checkpoint under results/convergence whose name matches RUNS_GLOB
     # (default *fast*) scored by eval.py with the encoder's stacks on nn.LSTM and on the wave
