@@ -145,6 +145,8 @@ class RunLog:
             parts.append(f"peak mem {window.peak_memory_gib:.1f} GiB")
         if window.mfu is not None:
             parts.append(f"MFU {window.mfu:.1%}")
+        if window.alloc_retries:  # rare, and worth seeing when it happens
+            parts.append(f"allocator retries {window.alloc_retries}")
         parts += [f"loss scale {loss_scale:g}", f"skipped steps {skipped_steps}"]
         if dropped_utterances is not None:
             parts.append(f"dropped utterances {dropped_utterances}")
@@ -160,6 +162,7 @@ class RunLog:
             data_wait_share=window.data_wait_share,
             peak_memory_gib=window.peak_memory_gib,
             mfu=window.mfu,
+            alloc_retries=window.alloc_retries,
             loss_scale=float(loss_scale),
             skipped_steps=int(skipped_steps),
             dropped_utterances=dropped_utterances,
@@ -174,15 +177,18 @@ class RunLog:
         utterances: int,
         seconds: float,
         data_seconds: float = 0.0,
+        alloc_retries: int | None = None,
     ) -> None:
         """One dev evaluation: WER (a fraction) over `utterances`, taking `seconds`, of which
-        `data_seconds` waiting for the loader (rank 0's)."""
+        `data_seconds` waiting for the loader (rank 0's), and the caching allocator's retries
+        during it (rnnt.throughput; None off CUDA)."""
         if not self.is_main:
             return
-        self._print(
+        line = (
             f"epoch {epoch} step {step} | dev WER {100 * wer:.3f}% | {utterances} utterances "
             f"in {seconds:.2f} s (waiting for data {data_seconds:.2f} s)"
         )
+        self._print(line + (f" | allocator retries {alloc_retries}" if alloc_retries else ""))
         self._record(
             "eval",
             dict(
@@ -192,6 +198,7 @@ class RunLog:
                 utterances=int(utterances),
                 seconds=float(seconds),
                 data_seconds=float(data_seconds),
+                **({} if alloc_retries is None else {"alloc_retries": int(alloc_retries)}),
             ),
         )
 

@@ -7,8 +7,10 @@ log point's one host sync; the next window starts at that same instant, so windo
 epoch and their times add up to the wall clock.
 
 Per window: utterances per second, the mean step time, the share of the window the loop spent
-waiting for the data loader, the peak GPU memory, and the model FLOP utilisation against a
-stated peak (`rnnt.flops`).
+waiting for the data loader, the peak GPU memory, the caching allocator's retries (each one a
+cudaMalloc that failed, after which the allocator freed its cache and synchronized: memory
+pressure that slows the step and that a run's peak memory does not show), and the model FLOP
+utilisation against a stated peak (`rnnt.flops`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class WindowStats:
     data_wait_share: float
     peak_memory_gib: float | None
     mfu: float | None
+    alloc_retries: int | None = None
 
 
 class ThroughputWindow:
@@ -43,6 +46,7 @@ class ThroughputWindow:
         self.cuda = device.type == "cuda"
         self.peak_flops = peak_flops
         self._start = 0.0
+        self._retries_before = self.alloc_retries()
         self._reset_counts()
 
     def _reset_counts(self) -> None:
@@ -51,6 +55,12 @@ class ThroughputWindow:
         self.flops = 0
         self.data_wait = 0.0
 
+    def alloc_retries(self) -> int | None:
+        """The caching allocator's retries since the process started (None off CUDA)."""
+        if not self.cuda:
+            return None
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+
     def _sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -58,6 +68,7 @@ class ThroughputWindow:
     def start(self) -> None:
         """Begin a window after whatever ran before (evaluation, a checkpoint) has finished."""
         self._sync()
+        self._retries_before = self.alloc_retries()  # what ran before is not this window's
         self._begin(time.perf_counter())
 
     def _begin(self, now: float) -> None:
@@ -80,6 +91,7 @@ class ThroughputWindow:
         now = time.perf_counter()
         seconds = max(now - self._start, 1e-9)
         peak_mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None
+        retries = self.alloc_retries()
         stats = WindowStats(
             steps=self.steps,
             utterances=self.utterances,
@@ -90,7 +102,9 @@ class ThroughputWindow:
             data_wait_share=self.data_wait / seconds,
             peak_memory_gib=peak_mem,
             mfu=None if self.peak_flops is None else self.flops / seconds / self.peak_flops,
+            alloc_retries=None if retries is None else retries - self._retries_before,
         )
+        self._retries_before = retries
         self._begin(now)
         return stats
 

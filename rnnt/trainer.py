@@ -619,6 +619,7 @@ class Trainer:
                 self.train_epoch()
                 ml.epoch_stop(epoch)
                 ml.eval_start(epoch)
+                retries_before = self.window.alloc_retries()
                 result = self.run_eval()
                 ml.eval_accuracy(result.wer, epoch)
                 ml.eval_stop(epoch)
@@ -630,6 +631,9 @@ class Trainer:
                     utterances=result.utterances,
                     seconds=result.seconds,
                     data_seconds=result.data_seconds,
+                    alloc_retries=None
+                    if retries_before is None
+                    else self.window.alloc_retries() - retries_before,
                 )
                 self.progress.best_wer = min(self.progress.best_wer, result.wer)
                 target = cfg.training.target_wer

@@ -8,7 +8,7 @@ from rnnt.run_log import METRICS_FILE, RunLog, read_metrics
 from rnnt.throughput import WindowStats
 
 
-def window(utts_per_s=1520.44, mfu=0.2125, peak_memory_gib=61.25):
+def window(utts_per_s=1520.44, mfu=0.2125, peak_memory_gib=61.25, alloc_retries=0):
     return WindowStats(
         steps=10,
         utterances=1920,
@@ -19,6 +19,7 @@ def window(utts_per_s=1520.44, mfu=0.2125, peak_memory_gib=61.25):
         data_wait_share=0.0099,
         peak_memory_gib=peak_memory_gib,
         mfu=mfu,
+        alloc_retries=alloc_retries,
     )
 
 
@@ -48,9 +49,19 @@ def test_step_and_eval_lines_and_records(tmp_path, capsys):
             lr=0.0031,
             loss_scale=512.0,
             skipped_steps=2,
-            window=window(mfu=None, peak_memory_gib=None),
+            window=window(mfu=None, peak_memory_gib=None, alloc_retries=None),
         )
         log.eval(epoch=1, step=10, wer=0.2843, utterances=2703, seconds=1.93, data_seconds=0.41)
+        log.step(
+            step=20,
+            epoch=1,
+            loss=49.0,
+            lr=0.0031,
+            loss_scale=512.0,
+            skipped_steps=2,
+            window=window(alloc_retries=3),
+        )
+        log.eval(epoch=2, step=20, wer=0.25, utterances=2703, seconds=1.5, alloc_retries=2)
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("] starting")
     assert out[1].endswith(
@@ -64,8 +75,11 @@ def test_step_and_eval_lines_and_records(tmp_path, capsys):
     assert out[3].endswith(
         "] epoch 1 step 10 | dev WER 28.430% | 2703 utterances in 1.93 s (waiting for data 0.41 s)"
     )
+    assert out[4].endswith("| MFU 21.2% | allocator retries 3 | loss scale 512 | skipped steps 2")
     lines = (tmp_path / METRICS_FILE).read_text().splitlines()
-    train, cpu_train, ev = (strict_json(line) for line in lines)
+    assert out[5].endswith("(waiting for data 0.00 s) | allocator retries 2")
+    train, cpu_train, ev, pressed, pressed_eval = (strict_json(line) for line in lines)
+    assert pressed["alloc_retries"] == 3 and pressed_eval["alloc_retries"] == 2
     assert train.pop("time") > 0 and ev.pop("time") > 0
     assert train == {
         "kind": "train",
@@ -79,10 +93,11 @@ def test_step_and_eval_lines_and_records(tmp_path, capsys):
         "data_wait_share": 0.0099,
         "peak_memory_gib": 61.25,
         "mfu": 0.2125,
+        "alloc_retries": 0,
         "loss_scale": 512.0,
         "skipped_steps": 2,
     }
-    assert "mfu" not in cpu_train and "peak_memory_gib" not in cpu_train
+    assert not {"mfu", "peak_memory_gib", "alloc_retries"} & set(cpu_train)
     assert ev == {
         "kind": "eval",
         "epoch": 1,

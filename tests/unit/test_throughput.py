@@ -28,7 +28,7 @@ def test_windows_tile_the_wall_clock_and_count_what_happened():
     assert first.step_ms == pytest.approx(1e3 * first.seconds / 3)
     assert first.data_wait_share == pytest.approx(0.003 / first.seconds)
     assert first.mfu == pytest.approx(6e6 / first.seconds / 1e9)
-    assert first.peak_memory_gib is None  # no GPU
+    assert first.peak_memory_gib is None and first.alloc_retries is None  # no GPU
 
 
 def test_no_peak_means_no_mfu():
@@ -69,3 +69,27 @@ def test_step_parts_time_between_marks_and_after_gradients():
     (total,) = parts.milliseconds("start", "end")
     (to_grads,) = parts.milliseconds("start", "grads")
     assert 0 < to_grads < total
+
+
+@pytest.mark.gpu
+def test_a_window_counts_the_allocators_retries_in_it():
+    """A cudaMalloc past the memory limit makes the caching allocator free its cache and try
+    again: counted in the window where it happened, not in the next."""
+    device = torch.device("cuda")
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.empty_cache()
+    live = torch.cuda.memory_reserved(device)  # what earlier tests still hold
+    torch.cuda.set_per_process_memory_fraction((live + (2 << 30)) / total, device)
+    try:
+        window = ThroughputWindow(device)
+        window.start()
+        cached = torch.empty(1200 << 20, dtype=torch.uint8, device=device)
+        del cached  # 1.2 GiB stays in the cache: 2.7 GiB would pass the 2 GiB allowed
+        bigger = torch.empty(1500 << 20, dtype=torch.uint8, device=device)
+        del bigger
+        first = window.close()
+        second = window.close()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
+    assert (first.alloc_retries, second.alloc_retries) == (1, 0)
