@@ -418,7 +418,8 @@ PY
     wait
     for log in "$OUT"/stress/gpu*.log; do
       echo "$(basename "$log" .log): exit $(cat "${log%.log}.rc"), last $(grep -oE 'step [0-9]+' "$log" \
-        | tail -n 1);" "$(grep -m 1 -oE 'illegal memory access|CUDA error: [a-z ]+' "$log")"
+        | tail -n 1), $(grep -c 'allocator retries' "$log") lines with allocator retries;" \
+        "$(grep -m 1 -oE 'illegal memory access|CUDA error: [a-z ]+' "$log")"
     done | tee "$OUT/stress/summary.txt"
     [ -f "$OUT/stress/memcheck.txt" ] && grep -m 20 -A 8 "Invalid" "$OUT/stress/memcheck.txt"
     for core in "$OUT"/stress/core_*; do
