@@ -377,42 +377,60 @@ PY
     # RUNS_PER_GPU (default 3) short fast-path runs on every GPU at once, for STRESS_S seconds
     # (default 170) each, from the checkpoint START (default: the one `fork` copied, else from
     # scratch), run k of each GPU with seed SEED0 + k (default 10 + k), with SETS and the
-    # source tree SRC (default this checkout; another commit's,
-    # unpacked from `git archive`, compares). Sharing a GPU stretches each kernel and lets the
-    # host run further ahead of it, which is what exposed an illegal memory access that one run
-    # per GPU had not shown (docs/CONVERGENCE.md). MEMCHECK=1 runs the last run of GPU 0 under
-    # compute-sanitizer's memcheck with the caching allocator on, so that it reports what
-    # faults: an access outside every allocation. COREDUMP=1: every run writes a lightweight
-    # CUDA core dump when a kernel faults, and cuda-gdb (where installed) names the kernel; at
-    # full speed, unlike memcheck. Arms per GPU g: ENV_GPU<g> (say
-    # ENV_GPU1="CUDA_MODULE_LOADING=EAGER") and SETS_GPU<g> (say SETS_GPU2="data.device=cpu").
-    # Prints each run's exit status, last step and first CUDA error.
-    src=${SRC:-.} per_gpu=${RUNS_PER_GPU:-3}
+    # source tree SRC (default this checkout; another commit's, unpacked from `git archive`,
+    # compares). EPOCHS_EACH=n: each run stops after epoch n (from an epoch-8 START, 9 is one
+    # epoch and its evaluation) and, if it ended cleanly, its slot starts the next seed
+    # (+ RUNS_PER_GPU) until the STRESS_S are up: more starts and first evaluations per call. Sharing a GPU stretches
+    # each kernel and lets the host run further ahead of it, which is what exposed an illegal
+    # memory access that one run per GPU had not shown (docs/CONVERGENCE.md). MEMCHECK=1 runs
+    # the last run of GPU 0 under compute-sanitizer's memcheck with the caching allocator on,
+    # so that it reports what faults: an access outside every allocation. COREDUMP=1: every
+    # run writes a lightweight CUDA core dump when a kernel faults, and cuda-gdb (where
+    # installed) names the kernel; at full speed, unlike memcheck. Arms per GPU g: ENV_GPU<g>
+    # (say ENV_GPU1="CUDA_MODULE_LOADING=EAGER") and SETS_GPU<g> (say
+    # SETS_GPU2="data.device=cpu"). Prints each run's exit status, last step, lines with
+    # allocator retries and first CUDA error.
+    src=${SRC:-.} per_gpu=${RUNS_PER_GPU:-3} stress_s=${STRESS_S:-170}
     start=${START:-$(find "$runs" -maxdepth 1 -name 'start_ckpt_*' 2>/dev/null | sort | head -n 1)}
     share=$(( $(nproc) / gpus / per_gpu ))
     mkdir -p "$OUT/stress"
     for g in $(seq 0 $(( gpus - 1 ))); do
       for k in $(seq 1 "$per_gpu"); do
         first=$(( (g * per_gpu + k - 1) * share ))
-        extra=() wrap=(timeout "${STRESS_S:-170}") arm_env=ENV_GPU$g arm_sets=SETS_GPU$g
+        extra=() wrap=() arm_env=ENV_GPU$g arm_sets=SETS_GPU$g
         for kv in ${SETS:-} ${!arm_sets:-}; do extra+=(--set "$kv"); done
-        # shellcheck disable=SC2206
-        envs=(${!arm_env:-})
-        [ -n "${COREDUMP:-}" ] && envs+=(CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1
-          CUDA_ENABLE_LIGHTWEIGHT_COREDUMP=1 CUDA_COREDUMP_FILE="$OUT/stress/core_gpu${g}_run$k")
         [ -n "$start" ] && extra+=(--init-from "$start")
+        [ -n "${EPOCHS_EACH:-}" ] && extra+=(--set training.epochs="$EPOCHS_EACH")
+        memcheck=""
         if [ -n "${MEMCHECK:-}" ] && [ "$g" = 0 ] && [ "$k" = "$per_gpu" ]; then
-          wrap=(timeout "$(( ${STRESS_S:-170} + 60 ))" compute-sanitizer --tool memcheck
-            --print-limit 10 --log-file "$OUT/stress/memcheck.txt")
+          memcheck=1 stress_s=$(( stress_s + 60 ))
+          wrap=(compute-sanitizer --tool memcheck --print-limit 10
+            --log-file "$OUT/stress/memcheck.txt")
           extra+=(--set training.log_frequency=1)
         fi
-        ( env "${envs[@]}" CUDA_VISIBLE_DEVICES="$g" taskset -c "$first-$(( first + share - 1 ))" \
-            "${wrap[@]}" python3 "$src/train.py" \
-            "$src/configs/convergence/sentences.yaml" --overwrite --set training.seed=$(( ${SEED0:-10} + k )) \
-            --set data.num_threads=$(( share > 1 ? share - 1 : 1 )) --set training.target_wer=0 \
-            --set training.output_dir="/tmp/stress_${g}_$k" "${extra[@]}" \
-            > "$OUT/stress/gpu${g}_run$k.log" 2>&1
-          echo $? > "$OUT/stress/gpu${g}_run$k.rc" ) &
+        ( deadline=$(( $(date +%s) + stress_s )) i=0
+          while :; do
+            name=gpu${g}_run${k}_$i left=$(( deadline - $(date +%s) ))
+            # shellcheck disable=SC2206
+            envs=(${!arm_env:-})
+            [ -n "${COREDUMP:-}" ] && envs+=(CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1
+              CUDA_ENABLE_LIGHTWEIGHT_COREDUMP=1 CUDA_COREDUMP_FILE="$OUT/stress/core_$name")
+            env "${envs[@]}" CUDA_VISIBLE_DEVICES="$g" \
+              taskset -c "$first-$(( first + share - 1 ))" timeout "$left" "${wrap[@]}" \
+              python3 "$src/train.py" "$src/configs/convergence/sentences.yaml" --overwrite \
+              --set training.seed=$(( ${SEED0:-10} + k + i * per_gpu )) \
+              --set data.num_threads=$(( share > 1 ? share - 1 : 1 )) --set training.target_wer=0 \
+              --set training.output_dir="/tmp/stress_${g}_$k" "${extra[@]}" \
+              > "$OUT/stress/$name.log" 2>&1
+            rc=$?
+            echo "$rc" > "$OUT/stress/$name.rc"
+            i=$(( i + 1 ))
+            # another start after a clean end, when one can reach its first steps
+            if [ -z "${EPOCHS_EACH:-}" ] || [ -n "$memcheck" ] || [ "$rc" != 0 ] \
+                || [ $(( deadline - $(date +%s) )) -lt 30 ]; then
+              break
+            fi
+          done ) &
       done
     done
     wait
