@@ -4,6 +4,7 @@
 # missing packages are carried in $WHEELS, made by bench/gpu_wheels.sh). Results go to $OUT
 # (default results/gpu).
 #
+#   bash bench/gpu_session.sh setup       # the carried wheels, DALI and espeak-ng only
 #   bash bench/gpu_session.sh tests       # every @pytest.mark.gpu test
 #   bash bench/gpu_session.sh loss        # bench/joint_loss.py (issue: fused joint + loss)
 #   bash bench/gpu_session.sh step        # bench/train_step.py eager vs graphs, wave vs cuDNN LSTM
@@ -57,7 +58,7 @@ if [ -n "${ON_GPU:-}" ]; then
   exec env ON_GPU= CUDA_VISIBLE_DEVICES="$ON_GPU" taskset -c "$first-$(( first + share - 1 ))" \
     bash "$0" "$@"
 fi
-phase=${1:?phase: tests | loss | step | lstm | resample | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | fork | wait | evalparity | rescore | stress | bundle}
+phase=${1:?phase: setup | tests | loss | step | lstm | resample | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | fork | wait | evalparity | rescore | stress | bundle}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
 # the spoken-digits corpus the distributed tests train on (this machine has no espeak-ng):
@@ -168,6 +169,10 @@ start_runs() {
 }
 
 case "$phase" in
+  setup)
+    # only the set-up above (wheels into /tmp/site, DALI, espeak-ng), for a call that runs
+    # scripts of its own after it with PYTHONPATH=$PWD:/tmp/site
+    if [ -d /tmp/site ]; then echo "wheels in /tmp/site"; fi ;;
   tests)
     # TESTS: other pytest arguments (files, -k) than the whole suite
     # shellcheck disable=SC2086
