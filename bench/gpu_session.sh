@@ -357,7 +357,12 @@ PY
 )
       [ -z "$ckpt" ] && { echo "$(date +%T) $(find "$runs/${FAST_RUN:-fast_s1}/checkpoints" -mindepth 1 -maxdepth 1 -printf '%f ' 2>/dev/null)"; sleep 5; }
     done
-    [ -n "$ckpt" ] || { echo "fork: no checkpoint below dev WER ${FORK_WER:-0.95} yet"; exit 1; }
+    if [ -z "$ckpt" ]; then
+      wanted="below dev WER ${FORK_WER:-0.95}"
+      [ -n "${FORK_EPOCH:-}" ] && wanted="of epoch $FORK_EPOCH"
+      echo "fork: no checkpoint $wanted in $runs/${FAST_RUN:-fast_s1}/checkpoints yet"
+      exit 1
+    fi
     copy=$runs/start_$(basename "$ckpt")
     rm -rf "$copy" && cp -a "$ckpt" "$copy"
     echo "fork: from $ckpt ($(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["meta"])' "$copy/complete.json"))"

@@ -458,7 +458,20 @@ def test_no_triton_kernel_compiles_in_the_first_steps_after_the_warm_up(corpus, 
 
 @pytest.mark.parametrize(
     "device,eval_lstm",
-    [("cpu", "cudnn"), pytest.param("cuda", "wave", marks=pytest.mark.gpu)],
+    [
+        ("cpu", "cudnn"),
+        pytest.param(
+            "cuda",
+            "wave",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wave kernels need a Hopper GPU (sm_90)",
+                ),
+            ],
+        ),
+    ],
 )
 def test_an_evaluation_leaves_trainings_random_streams_where_they_were(
     corpus, tmp_path, device, eval_lstm

@@ -266,12 +266,28 @@ def test_decode_benchmark_cpu_smoke(repo_root, lengths_dir, tmp_path):
     bench = runpy.run_path(str(repo_root / "bench" / "decode.py"), run_name="bench_decode")
     out = tmp_path / "bench.json"
     argv = [str(repo_root / "configs" / "tiny.yaml"), "--device", "cpu", "--limit", "6"]
-    argv += ["--batch-sizes", "4", "--repeats", "1", "--reference-sample", "2"]
+    argv += ["--batch-sizes", "4", "1", "--repeats", "1", "--reference-sample", "2"]
     argv += ["--train-steps", "5", "--json", str(out)]
     argv += ["--lengths", str(lengths_dir / "librispeech_dev-clean_lengths.tsv")]
     assert bench["main"](argv) == 0
     result = json.loads(out.read_text())
-    assert result["utterances"] == 6 and result["modes_identical"] == {"4": True}
-    assert [r["mode"] for r in result["rows"]] == [*MODES, "reference"]
+    assert result["utterances"] == 6 and result["modes_identical"] == {"4": True, "1": True}
+    # batched as the evaluation batches (longest first); compared per utterance across sizes
+    assert result["batch_sizes_agree"]
+    # the padding of longest-first batches of 4 and 2, from the encoder frames themselves
+    durations, _ = bench["read_lengths"](lengths_dir / "librispeech_dev-clean_lengths.tsv")
+    cfg = bench["load_config_or_exit"](str(repo_root / "configs" / "tiny.yaml"), [])
+    stack = cfg.model.enc_stack_time_factor
+    frames = sorted(
+        (
+            -(-bench["spliced_frames"](d, cfg.features.frame_subsample) // stack)
+            for d in durations[:6]
+        ),
+        reverse=True,
+    )
+    padded = 4 * frames[0] + 2 * frames[4]
+    assert result["encoder_padding"]["4"] == pytest.approx(1 - sum(frames) / padded)
+    assert result["encoder_padding"]["1"] == 0.0
+    assert [r["mode"] for r in result["rows"]] == [*MODES, *MODES, "reference"]
     assert result["rows"][-1]["matches_batched"]
     assert all(r["utt_per_s"] > 0 for r in result["rows"])
