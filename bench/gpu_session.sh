@@ -456,6 +456,7 @@ PY
       if command -v cuda-gdb >/dev/null; then
         cuda-gdb -batch -ex "target cudacore $core" -ex "info cuda kernels" 2>&1 | tail -n 20
       fi
+      rm -f "$core"  # too large to come back, and `bundle` would pack it
     done ;;
   rescore)
     # every run's final checkpoint under results/convergence whose name matches RUNS_GLOB

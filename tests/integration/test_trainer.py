@@ -484,7 +484,8 @@ def test_an_evaluation_leaves_trainings_random_streams_where_they_were(
 
     extra = [f"eval.encoder_lstm={eval_lstm}"]
     if device == "cuda":
-        extra += ["data.device=gpu", "training.precision=fp16", "model.enc_n_hid=64"]
+        # the wave kernels run stacks of hidden size 1024 only
+        extra += ["data.device=gpu", "training.precision=fp16", "model.enc_n_hid=1024"]
         extra += ["model.pred_n_hid=64", "model.joint_n_hid=64"]
     trainer = Trainer(make_cfg(corpus, tmp_path / "run", *extra), init_distributed(device))
     trainer.train_epoch()

@@ -75,7 +75,7 @@ def test_step_parts_time_between_marks_and_after_gradients():
 def test_a_window_counts_the_allocators_retries_in_it():
     """A cudaMalloc past the memory limit makes the caching allocator free its cache and try
     again: counted in the window where it happened, not in the next."""
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # the memory fraction wants an index
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.empty_cache()
     live = torch.cuda.memory_reserved(device)  # what earlier tests still hold
