@@ -9,7 +9,7 @@
 #   bash bench/gpu_session.sh loss        # bench/joint_loss.py (issue: fused joint + loss)
 #   bash bench/gpu_session.sh step        # bench/train_step.py eager vs graphs, wave vs cuDNN LSTM
 #   bash bench/gpu_session.sh lstm        # bench/encoder_lstm.py: cuDNN vs the wave kernels per stack
-#   bash bench/gpu_session.sh resample    # bench/resample.py: the speed-perturbation kernel's launches
+#   bash bench/gpu_session.sh features    # bench/feature_stage.py: the feature stage and its kernels
 #   bash bench/gpu_session.sh decode      # bench/decode.py, all decoder modes
 #   bash bench/gpu_session.sh train       # train.py on synthetic batches: fp16, graphs, cg eval
 #   bash bench/gpu_session.sh truth       # train.py's logged utt/s against its own timestamps at
@@ -58,7 +58,7 @@ if [ -n "${ON_GPU:-}" ]; then
   exec env ON_GPU= CUDA_VISIBLE_DEVICES="$ON_GPU" taskset -c "$first-$(( first + share - 1 ))" \
     bash "$0" "$@"
 fi
-phase=${1:?phase: setup | tests | loss | step | lstm | resample | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | fork | wait | evalparity | rescore | stress | bundle}
+phase=${1:?phase: setup | tests | loss | step | lstm | features | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | fork | wait | evalparity | rescore | stress | bundle}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
 # the spoken-digits corpus the distributed tests train on (this machine has no espeak-ng):
@@ -191,8 +191,8 @@ case "$phase" in
     fi ;;
   lstm)
     python3 bench/encoder_lstm.py --json "$OUT/encoder_lstm.json" 2>&1 | tee "$OUT/encoder_lstm.log" ;;
-  resample)
-    python3 bench/resample.py 2>&1 | tee "$OUT/resample.log" ;;
+  features)
+    python3 bench/feature_stage.py 2>&1 | tee "$OUT/feature_stage.log" ;;
   decode)
     python3 bench/decode.py configs/baseline_v3-1023sp.yaml --batch-sizes 32 338 \
       --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;

@@ -115,6 +115,55 @@ def test_trim_matches_window_loop_oracle():
     assert new_lens[0] < len(rows[0]) and new_lens[2] == 1500
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_trim_kernel_equals_the_reference(device):
+    """rnnt.kernels.trim against the float64 cumulative sums of `trim_silence` and the window
+    loop: speech between silences, a quiet row with a click, a fade through the cutoff, rows
+    shorter than, equal to and just over the window, a silent row, noise in one row's padding
+    (which no window may read), and fades right after loud speech. The CPU case runs Triton's
+    interpreter."""
+    pytest.importorskip("triton")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from rnnt.kernels.trim import trim_silence_cuda
+
+    rng = np.random.default_rng(3)
+    fade = _speechlike(rng, 12000) * np.logspace(-5, 0, 12000).astype(np.float32)
+    rows = [
+        _speechlike(rng, 6000, lead=3000, trail=5000),
+        _speechlike(rng, 4000, lead=7000, trail=2) * 1e-3,
+        np.concatenate([np.zeros(5000, np.float32), fade, np.zeros(3000, np.float32)]),
+        _speechlike(rng, 1500),
+        _speechlike(rng, TRIM_WINDOW),
+        _speechlike(rng, TRIM_WINDOW + 1, lead=0, trail=0),
+        np.zeros(9000, np.float32),
+        _speechlike(rng, 2 * TRIM_WINDOW + 7, lead=900, trail=1100),
+    ]
+    rows[1][:200] += 0.5
+    # loud speech, then noise fading through the cutoff within the same block of starts:
+    # the quiet windows' sums cancel against the loud samples before them (float32 sums
+    # move these rows' ends)
+    tail_db = np.linspace(-40, -80, 2500)
+    for k in range(4):
+        tail = rng.standard_normal(2500) * 0.3 * 10 ** (tail_db / 20)
+        loud = 3 * _speechlike(rng, 3000 + 173 * k)
+        rows.append(np.concatenate([loud, tail]).astype(np.float32))
+    wave, lens = _pad(rows)
+    wave[5, len(rows[5]) :] = torch.randn(wave.shape[1] - len(rows[5])) * 10
+    ref, ref_lens = trim_silence(wave, lens, -60.0, use_kernel=False)
+    wave, lens = wave.to(device), lens.to(device)
+    got, got_lens = trim_silence_cuda(wave, lens, -60.0, TRIM_WINDOW)
+    if device == "cuda":  # the dispatch inside `trim_silence`
+        dispatched, dispatched_lens = trim_silence(wave, lens, -60.0)
+        assert torch.equal(dispatched, got) and torch.equal(dispatched_lens, got_lens)
+    assert got_lens.tolist() == ref_lens.tolist()
+    assert torch.equal(got.cpu(), ref)
+    for i, x in enumerate(rows):
+        begin, end = _trim_oracle(x, -60.0)
+        assert got_lens[i] == end - begin
+    assert 0 < got_lens[2] < len(rows[2]) - 8000 and got_lens[6] == 9000
+
+
 def test_power_spectrum_frames_are_numpy_reflect_padded_stfts():
     """Each real frame is the power of rfft(window * frame) of the utterance alone, centred with
     numpy's reflect padding, whatever the batch's other rows and its padding hold; utterances

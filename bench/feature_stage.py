@@ -1,11 +1,15 @@
-"""GPU time of speed perturbation: the Triton resampler against the float64 reference.
+"""GPU time of the torch loader's feature stage and of its Triton kernels against their references.
 
-Both are `rnnt.data.features.resample` on one padded batch of noise at a LibriSpeech-like
-width (default 192 x 16.7 s at 16 kHz) and the training speed range, timed with CUDA events;
-prints the median of the repeats and the largest difference. Then the kernel at each launch
-shape (output samples per program x warps), the default marked.
+On one padded batch of noise at a LibriSpeech-like width (default 192 x 16.7 s at 16 kHz,
+lengths from half the width to all of it), timed with CUDA events, medians of the repeats:
+- the speed perturbation, `rnnt.data.features.resample`: the Triton resampler against the
+  float64 reference, with the largest difference;
+- the silence trim, `trim_silence`, on the resampled batch: the Triton kernels against the
+  float64 reference, and whether they kept the same samples;
+- the whole stage, `FeatureExtractor` in training mode on int16 samples, as the loader runs it;
+- the resampler at each launch shape (output samples per program x warps), the default marked.
 
-    python bench/resample.py [--batch 192] [--seconds 16.7] [--repeats 10]
+    python bench/feature_stage.py [--batch 192] [--seconds 16.7] [--repeats 10]
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ import statistics
 import torch
 
 from rnnt.config import FeaturesConfig
-from rnnt.data.features import RESAMPLE_LOBES, draw_speeds, resample
+from rnnt.data.features import (
+    RESAMPLE_LOBES,
+    FeatureExtractor,
+    draw_speeds,
+    resample,
+    trim_silence,
+)
 from rnnt.kernels import resample as kernel_module
 
 
@@ -60,6 +70,23 @@ def main() -> None:
         f"{kernel:.2f} ms, reference {reference:.2f} ms ({reference / kernel:.1f}x); "
         f"max |difference| {(got - ref).abs().max().item():.2e}"
     )
+    cutoff_db = cfg.silence_threshold_db
+    trim_kernel = time_ms(lambda: trim_silence(got, lengths, cutoff_db), args.repeats)
+    trim_reference = time_ms(
+        lambda: trim_silence(got, lengths, cutoff_db, use_kernel=False), args.repeats
+    )
+    kept, kept_lens = trim_silence(got, lengths, cutoff_db)
+    kept_ref, kept_ref_lens = trim_silence(got, lengths, cutoff_db, use_kernel=False)
+    same = torch.equal(kept, kept_ref) and torch.equal(kept_lens, kept_ref_lens)
+    print(
+        f"silence trim: Triton {trim_kernel:.2f} ms, reference {trim_reference:.2f} ms "
+        f"({trim_reference / trim_kernel:.1f}x); same samples kept: {same}"
+    )
+    extractor = FeatureExtractor(cfg, train=True).cuda()
+    pcm = (wave * 32768).round().clamp(-32768, 32767).to(torch.int16)
+    stage_gen = torch.Generator(device="cuda").manual_seed(0)
+    stage = time_ms(lambda: extractor(pcm, lengths, stage_gen), args.repeats)
+    print(f"the whole stage (FeatureExtractor, training mode, int16 in): {stage:.2f} ms")
     half = math.ceil(RESAMPLE_LOBES / ratio_range[0])
     out_lens = torch.ceil(lengths.double() * ratio.cuda()).long()
     default = (kernel_module.BLOCK, kernel_module.NUM_WARPS)
