@@ -121,14 +121,15 @@ runs=results/convergence
 # run under torchrun on n GPUs from its own, with 192 / n per GPU: the sampler deals the same
 # global batches to any number of ranks, so the run sees the plain runs' data, and its log is
 # a multi-GPU run to the target. WORKERS: loader processes per run (default: the share of
-# cores less two, at most 14). SETS: more `key=value` overrides for every run.
+# cores less two, at most 14). SETS: more `key=value` overrides for every run. SRC: another
+# source tree to run (as for `stress`): a run that must repeat an earlier one bit for bit.
 start_runs() {
   local from=$1 prefix=$2  # with a checkpoint: $fork_to, the epoch to train to
   shift 2
   mkdir -p "$runs"
   local src mem_gib share workers fast_gpus
   src=$(mktemp -d /tmp/rnnt_converge_src.XXXX)
-  cp -a rnnt train.py eval.py configs "$src"/
+  (cd "${SRC:-.}" && cp -a rnnt train.py eval.py configs "$src"/)
   ln -s "$PWD/datasets" "$src/datasets" && ln -s "$PWD/results" "$src/results"
   mem_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1) / 1024 ))
   share=$(( $(nproc) / gpus ))
