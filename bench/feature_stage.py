@@ -6,7 +6,8 @@ lengths from half the width to all of it), timed with CUDA events, medians of th
   float64 reference, with the largest difference;
 - the silence trim, `trim_silence`, on the resampled batch: the Triton kernels against the
   float64 reference, and whether they kept the same samples;
-- the whole stage, `FeatureExtractor` in training mode on int16 samples, as the loader runs it;
+- the whole stage, `FeatureExtractor` in training mode on int16 samples, as the loader runs it,
+  and without the speed perturbation with its Triton kernels on and off;
 - the resampler at each launch shape (output samples per program x warps), the default marked.
 
     python bench/feature_stage.py [--batch 192] [--seconds 16.7] [--repeats 10]
@@ -82,11 +83,20 @@ def main() -> None:
         f"silence trim: Triton {trim_kernel:.2f} ms, reference {trim_reference:.2f} ms "
         f"({trim_reference / trim_kernel:.1f}x); same samples kept: {same}"
     )
-    extractor = FeatureExtractor(cfg, train=True).cuda()
     pcm = (wave * 32768).round().clamp(-32768, 32767).to(torch.int16)
     stage_gen = torch.Generator(device="cuda").manual_seed(0)
+    extractor = FeatureExtractor(cfg, train=True).cuda()
     stage = time_ms(lambda: extractor(pcm, lengths, stage_gen), args.repeats)
     print(f"the whole stage (FeatureExtractor, training mode, int16 in): {stage:.2f} ms")
+    # without the speed perturbation, whose float64 reference would dwarf the rest
+    unperturbed = FeatureExtractor(cfg, train=True, speed_perturb=False).cuda()
+    with_kernels = time_ms(lambda: unperturbed(pcm, lengths, stage_gen), args.repeats)
+    unperturbed.use_kernels = False
+    with_references = time_ms(lambda: unperturbed(pcm, lengths, stage_gen), args.repeats)
+    print(
+        f"the stage without speed perturbation: Triton trim and framing {with_kernels:.2f} ms, "
+        f"reference functions {with_references:.2f} ms ({with_references / with_kernels:.1f}x)"
+    )
     half = math.ceil(RESAMPLE_LOBES / ratio_range[0])
     out_lens = torch.ceil(lengths.double() * ratio.cuda()).long()
     default = (kernel_module.BLOCK, kernel_module.NUM_WARPS)

@@ -305,6 +305,9 @@ class FeatureExtractor(nn.Module):
             )
         self.register_buffer("window", hann_window(self.win_length), persistent=False)
         self.register_buffer("mel", mel_basis(cfg), persistent=False)
+        # float32 batches on a GPU take the Triton kernels (resampling, trim, framing), which
+        # compute what the reference functions of this module compute; off, the references
+        self.use_kernels = True
 
     @torch.no_grad()
     def forward(
@@ -317,18 +320,28 @@ class FeatureExtractor(nn.Module):
         # int16 rows are PCM samples (rnnt.data.features.read_audio(pcm16=True))
         wave = wave.float() * (1.0 / 32768) if wave.dtype == torch.int16 else wave.float()
         lengths = lengths.to(device=wave.device, dtype=torch.int64)
+        kernels = self.use_kernels
         if self.speed_perturb:
             speeds = draw_speeds(cfg, wave.shape[0], generator)
             ratio_range = (1.0 / cfg.speed_perturbation_max, 1.0 / cfg.speed_perturbation_min)
-            wave, lengths = resample(wave, lengths, 1.0 / speeds, ratio_range)
-        wave, lengths = trim_silence(wave, lengths, cfg.silence_threshold_db)
-        _, valid = _positions(lengths, wave.shape[1])
+            wave, lengths = resample(wave, lengths, 1.0 / speeds, ratio_range, kernels)
+        wave, lengths = trim_silence(wave, lengths, cfg.silence_threshold_db, use_kernel=kernels)
+        noise = None
         if cfg.dither > 0:
             device = generator.device if generator is not None else wave.device
-            noise = torch.randn(wave.shape, generator=generator, device=device)
-            wave = wave + cfg.dither * noise.to(wave.device) * valid
-        wave = preemphasis(wave, cfg.preemph) * valid
-        power, frames = power_spectrum(wave, lengths, self.window, self.hop, cfg.n_fft)
+            noise = torch.randn(wave.shape, generator=generator, device=device).to(wave.device)
+        if kernels and wave.is_cuda and wave.dtype == torch.float32:
+            from rnnt.kernels.frames import power_spectrum_cuda
+
+            power, frames = power_spectrum_cuda(
+                wave, lengths, noise, cfg.dither, cfg.preemph, self.window, self.hop, cfg.n_fft
+            )
+        else:
+            _, valid = _positions(lengths, wave.shape[1])
+            if noise is not None:
+                wave = wave + cfg.dither * noise * valid
+            wave = preemphasis(wave, cfg.preemph) * valid
+            power, frames = power_spectrum(wave, lengths, self.window, self.hop, cfg.n_fft)
         mel = torch.matmul(power, self.mel.T).transpose(1, 2)  # (B, F, T)
         logmel = torch.log(torch.clamp(mel, min=cfg.log_floor))
         return normalize(logmel, frames), frames

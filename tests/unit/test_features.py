@@ -18,6 +18,7 @@ from rnnt.data.features import (
     TRIM_WINDOW,
     AudioFileError,
     FeatureExtractor,
+    hann_window,
     mel_basis,
     normalize,
     power_spectrum,
@@ -162,6 +163,72 @@ def test_trim_kernel_equals_the_reference(device):
         begin, end = _trim_oracle(x, -60.0)
         assert got_lens[i] == end - begin
     assert 0 < got_lens[2] < len(rows[2]) - 8000 and got_lens[6] == 9000
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dither", [0.0, 1e-5])
+def test_framing_kernel_gives_the_references_power_bit_for_bit(device, dither):
+    """rnnt.kernels.frames (dither, pre-emphasis, reflect padding, window, FFT, |X|^2) against
+    the reference steps of FeatureExtractor: the same float32 power for every real frame, on
+    ragged rows down to shorter than half a window, and finite values past them. The CPU case
+    runs Triton's interpreter."""
+    pytest.importorskip("triton")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from rnnt.kernels.frames import power_spectrum_cuda
+
+    gen = torch.Generator().manual_seed(4)
+    win, hop, n_fft, coeff = 320, 160, 512, 0.97
+    lengths = torch.tensor([16000, 15999, 3000, 201, 161, 150, 7, 1])
+    width = int(lengths.max()) + 57
+    wave = torch.randn(len(lengths), width, generator=gen) * 0.1
+    wave *= torch.arange(width)[None] < lengths[:, None]  # zero past each length, as trimmed
+    noise = torch.randn(wave.shape, generator=gen) if dither else None
+    window = hann_window(win)
+    valid = torch.arange(width)[None] < lengths[:, None]
+    x = wave + dither * noise * valid if dither else wave
+    ref, ref_frames = power_spectrum(preemphasis(x, coeff) * valid, lengths, window, hop, n_fft)
+    to = {"device": device}
+    got, frames = power_spectrum_cuda(
+        wave.to(**to),
+        lengths.to(**to),
+        noise.to(**to) if dither else None,
+        dither,
+        coeff,
+        window.to(**to),
+        hop,
+        n_fft,
+    )
+    if device == "cuda":  # the reference's FFT on the GPU, for a like-for-like comparison
+        ref, _ = power_spectrum(
+            (preemphasis(x.cuda(), coeff) * valid.cuda()), lengths.cuda(), window.cuda(), hop, n_fft
+        )
+    got, ref = got.cpu(), ref.cpu()
+    assert got.shape == ref.shape and torch.equal(frames.cpu(), ref_frames)
+    assert torch.isfinite(got).all()
+    for row, n in enumerate(ref_frames.tolist()):
+        assert torch.equal(got[row, :n], ref[row, :n]), row
+
+
+@pytest.mark.gpu
+def test_feature_extractor_kernels_give_the_references_features():
+    """The whole stage on a GPU with its Triton kernels (trim, framing) and with the reference
+    functions: the same features bit for bit, dither on (from one seed each). Speed
+    perturbation is off: the resampler's kernel rounds otherwise than its float64 reference
+    (its own test bounds the difference)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rng = np.random.default_rng(7)
+    rows = [_speechlike(rng, n, lead=900, trail=700) for n in (48000, 30001, 1500, 160)]
+    wave, lens = _pad(rows)
+    pcm = (wave * 32768).round().clamp(-32768, 32767).to(torch.int16).cuda()
+    cfg = FeaturesConfig(dither=1e-5)
+    extractor = FeatureExtractor(cfg, train=True, speed_perturb=False).cuda()
+    got = extractor(pcm, lens.cuda(), torch.Generator(device="cuda").manual_seed(0))
+    extractor.use_kernels = False
+    ref = extractor(pcm, lens.cuda(), torch.Generator(device="cuda").manual_seed(0))
+    assert torch.equal(got[1], ref[1])
+    assert torch.equal(got[0], ref[0])
 
 
 def test_power_spectrum_frames_are_numpy_reflect_padded_stfts():

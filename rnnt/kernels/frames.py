@@ -1,0 +1,125 @@
+"""Triton framing and power of a trimmed waveform batch: the middle of
+`rnnt.data.features.FeatureExtractor` on a GPU, with the same numbers.
+
+The reference adds the dither, applies the pre-emphasis and the length mask, builds a
+reflect-padded copy of the batch, multiplies every frame by the window into a (B, T, win)
+tensor, which the FFT pads again to (B, T, n_fft), and squares the spectrum's real and imaginary
+parts in passes of their own: some fifteen kernels and several copies of the batch. Here one
+kernel writes each frame, windowed and zero-padded to n_fft, straight from the trimmed samples
+(and the dither's noise), the FFT runs on it as before, and one kernel squares the spectrum.
+
+Every sample is computed as the reference computes it: the same operations in the same order,
+in float32, with the compiler's fusion of a multiply and an add into one rounding turned off.
+So the power of every real frame equals the reference's bit for bit (the FFT gets the same
+input), and frames past an utterance's `num_frames` hold finite values that mean nothing, as
+there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FRAMES_PER_PROGRAM = 8
+POWER_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["width", "t_max"])
+def _frames_kernel(
+    wave_ptr,  # (B, width) float32: trimmed samples, zero past each length
+    noise_ptr,  # (B, width) float32: the dither's N(0, 1) draws (unused without dither)
+    lengths_ptr,  # (B,) int64
+    window_ptr,  # (WIN,) float32
+    out_ptr,  # (B, t_max, N_FFT) float32
+    width,
+    t_max,
+    dither,
+    coeff,
+    HOP: tl.constexpr,
+    WIN: tl.constexpr,
+    N_FFT: tl.constexpr,
+    FRAMES: tl.constexpr,
+    HAS_DITHER: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1).to(tl.int64) * FRAMES + tl.arange(0, FRAMES)[:, None]
+    k = tl.arange(0, N_FFT)[None, :]
+    length = tl.load(lengths_ptr + row)
+    last = tl.maximum(length - 1, 0)
+    # the sample frame t reads at k, mirrored at the start and past the utterance's last sample
+    # (numpy "reflect"), as power_spectrum's padded copy holds it
+    q = tl.abs(t * HOP - WIN // 2 + k)
+    q = tl.where(q > last, 2 * last - q, q)
+    q = tl.minimum(tl.maximum(q, 0), last)
+    inside = (k < WIN) & (t < t_max) & (q < length)
+    has_prev = inside & (q >= 1)
+    base = row * width
+    x = tl.load(wave_ptr + base + q, mask=inside, other=0.0)
+    x_prev = tl.load(wave_ptr + base + q - 1, mask=has_prev, other=0.0)
+    if HAS_DITHER:
+        x = x + dither * tl.load(noise_ptr + base + q, mask=inside, other=0.0)
+        x_prev = x_prev + dither * tl.load(noise_ptr + base + q - 1, mask=has_prev, other=0.0)
+    y = tl.where(q >= 1, x - coeff * x_prev, x)
+    window = tl.load(window_ptr + k, mask=k < WIN, other=0.0)
+    frame = tl.where(inside, y * window, 0.0)
+    tl.store(out_ptr + (row * t_max + t) * N_FFT + k, frame, mask=t < t_max)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _power_kernel(spec_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """|X|^2 of n complex64 values (interleaved real, imaginary) into n float32."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    re = tl.load(spec_ptr + 2 * i, mask=inside, other=0.0)
+    im = tl.load(spec_ptr + 2 * i + 1, mask=inside, other=0.0)
+    tl.store(out_ptr + i, re * re + im * im, mask=inside)
+
+
+def power_spectrum_cuda(
+    wave: torch.Tensor,
+    lengths: torch.Tensor,
+    noise: torch.Tensor | None,
+    dither: float,
+    preemph: float,
+    window: torch.Tensor,
+    hop: int,
+    n_fft: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """wave (B, S) float32 on a GPU, zero past lengths (B,) int64; noise (B, S) or None ->
+    (power (B, T, n_fft // 2 + 1) float32, frames (B,) int64), T = 1 + S // hop: the power
+    spectrum of `wave + dither * noise` after pre-emphasis, as FeatureExtractor computes it with
+    `preemphasis` and `power_spectrum`; sync-free."""
+    wave = wave.contiguous()
+    lengths = lengths.contiguous()
+    batch, width = wave.shape
+    win = window.numel()
+    if n_fft & (n_fft - 1) or win > n_fft:
+        raise ValueError(f"n_fft {n_fft} must be a power of two of at least the window's {win}")
+    t_max = width // hop + 1
+    frames = torch.empty(batch, t_max, n_fft, dtype=torch.float32, device=wave.device)
+    _frames_kernel[(batch, triton.cdiv(t_max, FRAMES_PER_PROGRAM))](
+        wave,
+        noise.contiguous() if noise is not None else wave,
+        lengths,
+        window.contiguous(),
+        frames,
+        width,
+        t_max,
+        float(dither),
+        float(preemph),
+        HOP=hop,
+        WIN=win,
+        N_FFT=n_fft,
+        FRAMES=FRAMES_PER_PROGRAM,
+        HAS_DITHER=noise is not None,
+        num_warps=8,
+        enable_fp_fusion=False,  # one rounding per operation, as torch's kernels round
+    )
+    spec = torch.view_as_real(torch.fft.rfft(frames))
+    power = torch.empty(spec.shape[:-1], dtype=torch.float32, device=wave.device)
+    n = power.numel()
+    _power_kernel[(triton.cdiv(n, POWER_BLOCK),)](
+        spec, power, n, BLOCK=POWER_BLOCK, num_warps=4, enable_fp_fusion=False
+    )
+    return power, lengths // hop + 1
