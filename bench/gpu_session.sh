@@ -450,6 +450,16 @@ PY
         | tail -n 1), $(grep -c 'allocator retries' "$log") lines with allocator retries;" \
         "$(grep -m 1 -oE 'illegal memory access|CUDA error: [a-z ]+' "$log")"
     done | tee "$OUT/stress/summary.txt"
+    # per GPU (an arm each where ENV_GPU<g> / SETS_GPU<g> differ): runs, and how they ended
+    for g in $(seq 0 $(( gpus - 1 ))); do
+      runs_g=$(grep -c "^gpu${g}_" "$OUT/stress/summary.txt")
+      clean=$(grep "^gpu${g}_" "$OUT/stress/summary.txt" | grep -c "exit 0,")
+      died=$(grep "^gpu${g}_" "$OUT/stress/summary.txt" | grep -cE "illegal memory access|CUDA error")
+      cut=$(grep "^gpu${g}_" "$OUT/stress/summary.txt" | grep "exit 124," | grep -cvE "illegal|CUDA error")
+      arm_sets=SETS_GPU$g arm_env=ENV_GPU$g
+      echo "GPU $g (arm: ${!arm_sets:-} ${!arm_env:-}): $runs_g runs, $clean to their end," \
+        "$died with a CUDA error, $cut cut by STRESS_S, $(( runs_g - clean - died - cut )) otherwise"
+    done | tee -a "$OUT/stress/summary.txt"
     [ -f "$OUT/stress/memcheck.txt" ] && grep -m 20 -A 8 "Invalid" "$OUT/stress/memcheck.txt"
     for core in "$OUT"/stress/core_*; do
       [ -f "$core" ] || continue
