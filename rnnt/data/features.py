@@ -330,7 +330,8 @@ class FeatureExtractor(nn.Module):
         if cfg.dither > 0:
             device = generator.device if generator is not None else wave.device
             noise = torch.randn(wave.shape, generator=generator, device=device).to(wave.device)
-        if kernels and wave.is_cuda and wave.dtype == torch.float32:
+        n_fft_pow2 = cfg.n_fft & (cfg.n_fft - 1) == 0  # the framing kernel's tile width
+        if kernels and wave.is_cuda and wave.dtype == torch.float32 and n_fft_pow2:
             from rnnt.kernels.frames import power_spectrum_cuda
 
             power, frames = power_spectrum_cuda(
