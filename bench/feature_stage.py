@@ -64,7 +64,7 @@ def main() -> None:
     reference = time_ms(
         lambda: resample(wave, lengths, ratio, ratio_range, use_kernel=False), args.repeats
     )
-    got, _ = resample(wave, lengths, ratio, ratio_range)
+    got, got_lens = resample(wave, lengths, ratio, ratio_range)
     ref, _ = resample(wave, lengths, ratio, ratio_range, use_kernel=False)
     print(
         f"{args.batch} x {args.seconds} s on {torch.cuda.get_device_name()}: Triton "
@@ -72,12 +72,12 @@ def main() -> None:
         f"max |difference| {(got - ref).abs().max().item():.2e}"
     )
     cutoff_db = cfg.silence_threshold_db
-    trim_kernel = time_ms(lambda: trim_silence(got, lengths, cutoff_db), args.repeats)
+    trim_kernel = time_ms(lambda: trim_silence(got, got_lens, cutoff_db), args.repeats)
     trim_reference = time_ms(
-        lambda: trim_silence(got, lengths, cutoff_db, use_kernel=False), args.repeats
+        lambda: trim_silence(got, got_lens, cutoff_db, use_kernel=False), args.repeats
     )
-    kept, kept_lens = trim_silence(got, lengths, cutoff_db)
-    kept_ref, kept_ref_lens = trim_silence(got, lengths, cutoff_db, use_kernel=False)
+    kept, kept_lens = trim_silence(got, got_lens, cutoff_db)
+    kept_ref, kept_ref_lens = trim_silence(got, got_lens, cutoff_db, use_kernel=False)
     same = torch.equal(kept, kept_ref) and torch.equal(kept_lens, kept_ref_lens)
     print(
         f"silence trim: Triton {trim_kernel:.2f} ms, reference {trim_reference:.2f} ms "
