@@ -28,7 +28,11 @@ def data_choice(cfg: Config) -> Choice:
     backend, reason = resolve_backend(cfg.data.backend)
     if backend == "synthetic":
         return backend, reason
-    return f"{backend}/{cfg.data.device}", f"{reason}; features on data.device: {cfg.data.device}"
+    reason = f"{reason}; features on data.device: {cfg.data.device}"
+    if backend == "torch" and cfg.data.device == "gpu":
+        # rnnt.data.features dispatches float32 batches on a GPU to them
+        reason += " (resampling, silence trim and framing in Triton kernels)"
+    return f"{backend}/{cfg.data.device}", reason
 
 
 def eval_choices(cfg: Config, device: torch.device) -> dict[str, Choice]:

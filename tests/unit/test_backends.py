@@ -31,7 +31,11 @@ def test_the_training_line_on_the_cpu_names_every_choice():
 
 
 def test_the_data_choice_names_the_feature_stage_unless_synthetic():
-    assert data_choice(load_config(None, ["data.backend=torch"]))[0] == "torch/gpu"
+    assert data_choice(load_config(None, ["data.backend=torch"])) == (
+        "torch/gpu",
+        "data.backend: torch; features on data.device: gpu (resampling, silence trim and "
+        "framing in Triton kernels)",
+    )
     assert data_choice(load_config(None, ["data.backend=synthetic"]))[0] == "synthetic"
     assert eval_choices(load_config(None, ["data.backend=torch", "data.device=cpu"]), CPU) == {
         "data": ("torch/cpu", "data.backend: torch; features on data.device: cpu"),
