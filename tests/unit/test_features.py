@@ -4,6 +4,9 @@ brute-force loops (silence trim, normalization), analytic sinusoids (resampling)
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import librosa
 import numpy as np
@@ -229,6 +232,75 @@ def test_feature_extractor_kernels_give_the_references_features():
     ref = extractor(pcm, lens.cuda(), torch.Generator(device="cuda").manual_seed(0))
     assert torch.equal(got[1], ref[1])
     assert torch.equal(got[0], ref[0])
+
+
+_HOPPER_COMPILE = r"""
+import os, subprocess, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rnnt.kernels import frames, resample, trim
+
+P = "constexpr"
+KERNELS = {
+    "resample": (resample._resample_kernel, {"wave_ptr": "*fp32", "lengths_ptr": "*i64",
+        "out_lengths_ptr": "*i64", "ratio_ptr": "*fp64", "table_ptr": "*fp32",
+        "out_ptr": "*fp32", "width": "i32", "out_width": "i32", "HALF": P, "LOBES": P,
+        "BLOCK": P}, {"HALF": 19, "LOBES": 16, "BLOCK": resample.BLOCK},
+        {"num_warps": resample.NUM_WARPS}),
+    "loudest": (trim._loudest_kernel, {"wave_ptr": "*fp32", "lengths_ptr": "*i64",
+        "block_max_ptr": "*fp64", "width": "i32", "n_blocks": "i32", "WINDOW": P},
+        {"WINDOW": 2048}, {"num_warps": trim.NUM_WARPS}),
+    "loud_span": (trim._loud_span_kernel, {"wave_ptr": "*fp32", "lengths_ptr": "*i64",
+        "threshold_ptr": "*fp64", "first_ptr": "*i64", "last_ptr": "*i64", "width": "i32",
+        "n_blocks": "i32", "WINDOW": P}, {"WINDOW": 2048}, {"num_warps": trim.NUM_WARPS}),
+    "shift": (trim._shift_kernel, {"wave_ptr": "*fp32", "begin_ptr": "*i64",
+        "new_lengths_ptr": "*i64", "out_ptr": "*fp32", "width": "i32", "BLOCK": P},
+        {"BLOCK": 1024}, {"num_warps": 4}),
+    "frames": (frames._frames_kernel, {"wave_ptr": "*fp32", "noise_ptr": "*fp32",
+        "lengths_ptr": "*i64", "window_ptr": "*fp32", "out_ptr": "*fp32", "width": "i32",
+        "t_max": "i32", "dither": "fp32", "coeff": "fp32", "HOP": P, "WIN": P, "N_FFT": P,
+        "FRAMES": P, "HAS_DITHER": P}, {"HOP": 160, "WIN": 320, "N_FFT": 512,
+        "FRAMES": frames.FRAMES_PER_PROGRAM, "HAS_DITHER": True},
+        {"num_warps": 8, "enable_fp_fusion": False}),
+    "power": (frames._power_kernel, {"spec_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
+        "BLOCK": P}, {"BLOCK": frames.POWER_BLOCK}, {"num_warps": 4, "enable_fp_fusion": False}),
+}
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+for name, (fn, signature, constexprs, options) in KERNELS.items():
+    compiled = triton.compile(ASTSource(fn, signature, constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    path = os.path.join(sys.argv[1], name + ".cubin")
+    with open(path, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+    print(name, " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:"))))
+"""
+
+
+def test_the_feature_stage_kernels_compile_for_hopper(tmp_path):
+    """The Triton kernels of the GPU feature stage, compiled for sm_90 by Triton's own ptxas
+    (no GPU needed): a construct the interpreter runs but the compiler rejects (a float64
+    scan, say) fails here rather than at a GPU run's warm-up. Each also keeps its registers:
+    a kernel that spills them to its stack runs many times slower (the resampler's launch of
+    512 samples on 2 warps spills 1,736 bytes and took 19 times as long); the 40 bytes the
+    resampler has are the float64 sine's call frame."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the kernels' own default; frames.py turns it off
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run(
+        [sys.executable, "-c", _HOPPER_COMPILE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
+    assert set(lines) == {"resample", "loudest", "loud_span", "shift", "frames", "power"}
+    for name, usage in lines.items():
+        stack = int(usage.split("STACK:")[1].split()[0])
+        assert stack <= 64, (name, usage)
 
 
 def test_power_spectrum_frames_are_numpy_reflect_padded_stfts():
