@@ -23,11 +23,13 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _window_sums(wave_ptr, row, start, length, width, WINDOW: tl.constexpr):
-    """(WINDOW,) float64 sums of squares of the windows starting at start + j, and the mask
-    of those that lie inside the row's `length` samples."""
-    j = tl.arange(0, WINDOW)
-    lo_pos = start + j
+def _block_window_sums(wave_ptr, lengths_ptr, width, WINDOW: tl.constexpr):
+    """This program's row and block, the (WINDOW,) starts of its windows, their float64 sums
+    of squares, and the mask of the windows that lie inside the row's length."""
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1).to(tl.int64)
+    length = tl.load(lengths_ptr + row)
+    lo_pos = block * WINDOW + tl.arange(0, WINDOW)
     hi_pos = lo_pos + WINDOW
     lo = tl.load(wave_ptr + row * width + lo_pos, mask=lo_pos < length, other=0.0).to(tl.float64)
     hi = tl.load(wave_ptr + row * width + hi_pos, mask=hi_pos < length, other=0.0).to(tl.float64)
@@ -36,7 +38,7 @@ def _window_sums(wave_ptr, row, start, length, width, WINDOW: tl.constexpr):
     lo_prefix = tl.cumsum(lo_sq, 0) - lo_sq
     hi_prefix = tl.cumsum(hi_sq, 0) - hi_sq
     sums = tl.sum(lo_sq, 0) - lo_prefix + hi_prefix
-    return sums, lo_pos <= length - WINDOW
+    return row, block, lo_pos, sums, lo_pos <= length - WINDOW
 
 
 # The widths change with every batch: not specialized on, so no batch compiles a variant.
@@ -49,10 +51,7 @@ def _loudest_kernel(
     n_blocks,
     WINDOW: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1).to(tl.int64)
-    length = tl.load(lengths_ptr + row)
-    sums, valid = _window_sums(wave_ptr, row, block * WINDOW, length, width, WINDOW)
+    row, block, _, sums, valid = _block_window_sums(wave_ptr, lengths_ptr, width, WINDOW)
     tl.store(block_max_ptr + row * n_blocks + block, tl.max(tl.where(valid, sums, 0.0), 0))
 
 
@@ -67,14 +66,8 @@ def _loud_span_kernel(
     n_blocks,
     WINDOW: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1).to(tl.int64)
-    length = tl.load(lengths_ptr + row)
-    threshold = tl.load(threshold_ptr + row)
-    start = block * WINDOW
-    sums, valid = _window_sums(wave_ptr, row, start, length, width, WINDOW)
-    loud = valid & (sums >= threshold)
-    pos = start + tl.arange(0, WINDOW)
+    row, block, pos, sums, valid = _block_window_sums(wave_ptr, lengths_ptr, width, WINDOW)
+    loud = valid & (sums >= tl.load(threshold_ptr + row))
     tl.store(first_ptr + row * n_blocks + block, tl.min(tl.where(loud, pos, width), 0))
     tl.store(last_ptr + row * n_blocks + block, tl.max(tl.where(loud, pos, -1), 0))
 
