@@ -12,7 +12,8 @@ mkdir -p "$dest"
 packages=(soundfile cffi pycparser soxr librosa audioread pooch platformdirs decorator
           mlperf-logging jiwer rapidfuzz
           optree gast astunparse six nvtx makefun "libcst~=1.8")
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+# at the versions CI tested (constraints.txt), so that the GPU machine runs what CI ran
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -c constraints.txt \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
   -d "$dest" "${packages[@]}"
