@@ -24,17 +24,22 @@ import triton.language as tl
 
 FRAMES_PER_PROGRAM = 8
 POWER_BLOCK = 1024
+# The FFT runs over a frame count rounded up to this many, so that the batches of a run, whose
+# longest utterance varies, share a few cuFFT plans: making a plan for a new batch shape holds
+# the training loop's thread for tens of milliseconds, and the GPU idles after it
+# (docs/PERFORMANCE.md).
+FFT_FRAME_BUCKET = 64
 
 
-@triton.jit(do_not_specialize=["width", "t_max"])
+@triton.jit(do_not_specialize=["width", "t_rows"])
 def _frames_kernel(
     wave_ptr,  # (B, width) float32: trimmed samples, zero past each length
     noise_ptr,  # (B, width) float32: the dither's N(0, 1) draws (unused without dither)
     lengths_ptr,  # (B,) int64
     window_ptr,  # (WIN,) float32
-    out_ptr,  # (B, t_max, N_FFT) float32
+    out_ptr,  # (B, t_rows, N_FFT) float32
     width,
-    t_max,
+    t_rows,
     dither,
     coeff,
     HOP: tl.constexpr,
@@ -65,17 +70,20 @@ def _frames_kernel(
     y = tl.where(q >= 1, x - coeff * x_prev, x)
     window = tl.load(window_ptr + k, mask=k < WIN, other=0.0)
     frame = tl.where(inside, y * window, 0.0)
-    tl.store(out_ptr + (row * t_max + t) * N_FFT + k, frame, mask=t < t_max)
+    tl.store(out_ptr + (row * t_rows + t) * N_FFT + k, frame, mask=t < t_rows)
 
 
-@triton.jit(do_not_specialize=["n"])
-def _power_kernel(spec_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """|X|^2 of n complex64 values (interleaved real, imaginary) into n float32."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+@triton.jit(do_not_specialize=["n", "spec_row"])
+def _power_kernel(spec_ptr, out_ptr, n, spec_row, BLOCK: tl.constexpr):
+    """|X|^2 of the first n complex64 values (interleaved real, imaginary) of each batch row,
+    `spec_row` complex values apart, into n float32 a row."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
-    re = tl.load(spec_ptr + 2 * i, mask=inside, other=0.0)
-    im = tl.load(spec_ptr + 2 * i + 1, mask=inside, other=0.0)
-    tl.store(out_ptr + i, re * re + im * im, mask=inside)
+    src = spec_ptr + 2 * (row * spec_row + i)
+    re = tl.load(src, mask=inside, other=0.0)
+    im = tl.load(src + 1, mask=inside, other=0.0)
+    tl.store(out_ptr + row * n + i, re * re + im * im, mask=inside)
 
 
 def power_spectrum_cuda(
@@ -99,15 +107,16 @@ def power_spectrum_cuda(
     if n_fft & (n_fft - 1) or win > n_fft:
         raise ValueError(f"n_fft {n_fft} must be a power of two of at least the window's {win}")
     t_max = width // hop + 1
-    frames = torch.empty(batch, t_max, n_fft, dtype=torch.float32, device=wave.device)
-    _frames_kernel[(batch, triton.cdiv(t_max, FRAMES_PER_PROGRAM))](
+    t_fft = triton.cdiv(t_max, FFT_FRAME_BUCKET) * FFT_FRAME_BUCKET  # frames past t_max: zero
+    frames = torch.empty(batch, t_fft, n_fft, dtype=torch.float32, device=wave.device)
+    _frames_kernel[(batch, triton.cdiv(t_fft, FRAMES_PER_PROGRAM))](
         wave,
         noise.contiguous() if noise is not None else wave,
         lengths,
         window.contiguous(),
         frames,
         width,
-        t_max,
+        t_fft,
         float(dither),
         float(preemph),
         HOP=hop,
@@ -118,10 +127,17 @@ def power_spectrum_cuda(
         num_warps=8,
         enable_fp_fusion=False,  # one rounding per operation, as torch's kernels round
     )
-    spec = torch.view_as_real(torch.fft.rfft(frames))
-    power = torch.empty(spec.shape[:-1], dtype=torch.float32, device=wave.device)
-    n = power.numel()
-    _power_kernel[(triton.cdiv(n, POWER_BLOCK),)](
-        spec, power, n, BLOCK=POWER_BLOCK, num_warps=4, enable_fp_fusion=False
+    spec = torch.fft.rfft(frames)  # (B, t_fft, bins) complex64
+    bins = spec.shape[-1]
+    power = torch.empty(batch, t_max, bins, dtype=torch.float32, device=wave.device)
+    n = t_max * bins
+    _power_kernel[(batch, triton.cdiv(n, POWER_BLOCK))](
+        torch.view_as_real(spec),
+        power,
+        n,
+        t_fft * bins,
+        BLOCK=POWER_BLOCK,
+        num_warps=4,
+        enable_fp_fusion=False,
     )
     return power, lengths // hop + 1

@@ -214,6 +214,29 @@ def test_framing_kernel_gives_the_references_power_bit_for_bit(device, dither, w
 
 
 @pytest.mark.gpu
+def test_batches_of_nearby_lengths_share_one_fft_plan():
+    """The framing kernel's FFT runs over a frame count rounded up to FFT_FRAME_BUCKET, so
+    batches whose longest rows differ by less than that reuse one cuFFT plan instead of making
+    a new one (which holds the training loop's thread) for every batch."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from rnnt.kernels.frames import FFT_FRAME_BUCKET, power_spectrum_cuda
+
+    cache = torch.backends.cuda.cufft_plan_cache[torch.cuda.current_device()]
+    cache.clear()
+    hop, window = 160, hann_window(320).cuda()
+    shapes = set()
+    for t_max in range(FFT_FRAME_BUCKET + 1, 2 * FFT_FRAME_BUCKET + 1, 9):
+        width = (t_max - 1) * hop
+        wave = torch.randn(3, width, device="cuda")
+        lengths = torch.tensor([width, width // 2, 5], device="cuda")
+        power, _ = power_spectrum_cuda(wave, lengths, None, 0.0, 0.97, window, hop, 512)
+        shapes.add(tuple(power.shape))
+    assert len(shapes) == 8 and cache.size == 1
+
+
+@pytest.mark.gpu
 def test_feature_extractor_kernels_give_the_references_features():
     """The whole stage on a GPU with its Triton kernels (trim, framing) and with the reference
     functions: the same features bit for bit, dither on (from one seed each). Speed
@@ -258,12 +281,13 @@ KERNELS = {
         {"BLOCK": 1024}, {"num_warps": 4}),
     "frames": (frames._frames_kernel, {"wave_ptr": "*fp32", "noise_ptr": "*fp32",
         "lengths_ptr": "*i64", "window_ptr": "*fp32", "out_ptr": "*fp32", "width": "i32",
-        "t_max": "i32", "dither": "fp32", "coeff": "fp32", "HOP": P, "WIN": P, "N_FFT": P,
+        "t_rows": "i32", "dither": "fp32", "coeff": "fp32", "HOP": P, "WIN": P, "N_FFT": P,
         "FRAMES": P, "HAS_DITHER": P}, {"HOP": 160, "WIN": 320, "N_FFT": 512,
         "FRAMES": frames.FRAMES_PER_PROGRAM, "HAS_DITHER": True},
         {"num_warps": 8, "enable_fp_fusion": False}),
     "power": (frames._power_kernel, {"spec_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
-        "BLOCK": P}, {"BLOCK": frames.POWER_BLOCK}, {"num_warps": 4, "enable_fp_fusion": False}),
+        "spec_row": "i32", "BLOCK": P}, {"BLOCK": frames.POWER_BLOCK},
+        {"num_warps": 4, "enable_fp_fusion": False}),
 }
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for name, (fn, signature, constexprs, options) in KERNELS.items():
