@@ -53,7 +53,8 @@ BATCH_MULTIPLE = 192  # the backward's clusters pair two 96-row batch tiles
 BATCH_TILE = 96
 INPUT_MULTIPLE = 64  # one K stage of the kernels
 # launch variants (csrc: kFwdVariants, kBwdVariants: 0 without, 1 with programmatic dependent
-# launch); bench/encoder_lstm.py times them all
+# launch, 2 as 1 with L2 eviction priorities on the TMA copies); bench/encoder_lstm.py times them
+# all
 FORWARD_VARIANT = 1
 BACKWARD_VARIANT = 1
 N_FACTORS = 6

@@ -404,7 +404,7 @@ def test_the_kernel_source_builds_and_rejects_shapes_it_cannot_tile(tmp_path, mo
     cuda_build.load.cache_clear()
     try:
         lib = lstm_wave.library()
-        assert lib.wave_lstm_variants(0) == 2 and lib.wave_lstm_variants(1) == 2
+        assert lib.wave_lstm_variants(0) == 3 and lib.wave_lstm_variants(1) == 3
         null = (ctypes.c_void_p * 3)()
 
         def forward(layers, steps, batch, kin, p=0.1, variant=0):
@@ -435,7 +435,7 @@ def test_the_kernel_source_builds_and_rejects_shapes_it_cannot_tile(tmp_path, mo
         )
         assert (
             "no such kernel variant"
-            in lib.wave_lstm_error(forward(2, 10, 192, (256, 1024, 0), variant=2)).decode()
+            in lib.wave_lstm_error(forward(2, 10, 192, (256, 1024, 0), variant=3)).decode()
         )
         assert (
             "unsupported shape" in lib.wave_lstm_error(backward(2, 10, 96, (256, 1024, 0))).decode()

@@ -221,7 +221,9 @@ struct Params {  // 64-byte aligned through CUtensorMap
   const int* active;        // null, or the active steps on the device (see the top)
 };
 
-template <int RING>
+// HINTS: TMA copies with L2 eviction priorities: W's tiles (read again at every step) last, the
+// factor planes (read back only by the backward) and x W_ih^T's tiles first
+template <int RING, bool HINTS>
 __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Params p) {
   constexpr int STAGES = RING;
   extern __shared__ uint8_t raw[];
@@ -270,8 +272,14 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
 
   if (warp_group == 0) {
     if (tid == 0) {
+      uint64_t keep = 0, once = 0;
+      if constexpr (HINTS) {
+        keep = l2_evict_last();
+        once = l2_evict_first();
+      }
       auto load_w = [&](int kb) {
-        tma_load_2d(ring + (kb % STAGES) * SUB, &p.w[l], &full[kb % STAGES], kb * BK, tile * BM);
+        tma_load<HINTS>(ring + (kb % STAGES) * SUB, &p.w[l], &full[kb % STAGES], kb * BK,
+                        tile * BM, keep);
       };
       const int early = k_blocks < STAGES ? k_blocks : STAGES;
       for (int kb = 0; kb < early; ++kb) {
@@ -297,8 +305,8 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
         mbar_wait(&empty[kb % STAGES], ((kb / STAGES) & 1) ^ 1);
         mbar_expect_tx(xbar, 2 * XW_BOX);
         for (int half = 0; half < 2; ++half)
-          tma_load_2d(ring + XW_OFFSET + half * XW_BOX, &p.xw[l], xbar, tile * BM + 64 * half,
-                      t * p.B + row0);
+          tma_load<HINTS>(ring + XW_OFFSET + half * XW_BOX, &p.xw[l], xbar,
+                          tile * BM + 64 * half, t * p.B + row0, once);
       }
     }
   } else {
@@ -421,9 +429,12 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
         tma_store_2d(&p.c[l], ctile, tile * 32, row0);
         tma_store_2d(&p.hs[l], ring, tile * 32, (t + 1) * p.B + row0);
         tma_store_2d(&p.ys[l], ring + H_TILE, tile * 32, t * p.B + row0);
+        uint64_t once = 0;
+        if constexpr (HINTS) once = l2_evict_first();
 #pragma unroll
         for (int f = 0; f < N_FACTORS; ++f)
-          tma_store_2d(&p.fac[l], ring + (2 + f) * H_TILE, tile * 32, f * rows + t * p.B + row0);
+          tma_store<HINTS>(&p.fac[l], ring + (2 + f) * H_TILE, tile * 32,
+                           f * rows + t * p.B + row0, once);
         bulk_commit();
         bulk_wait_read();
       }
@@ -490,7 +501,8 @@ struct Params {  // 64-byte aligned through CUtensorMap
   const int* active;        // the forward's
 };
 
-template <int RING>
+// HINTS: as the forward's; here W^T's tiles last, the forward's factor planes and dy first
+template <int RING, bool HINTS>
 __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ Params p) {
   constexpr int STAGES = RING;
   static_assert(ring_fits(RING), "the epilogue's inputs and staging fit in the ring");
@@ -567,10 +579,15 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
 
   if (warp_group == 0) {
     if (tid == 0) {
+      uint64_t keep = 0, once = 0;
+      if constexpr (HINTS) {
+        keep = l2_evict_last();
+        once = l2_evict_first();
+      }
       const int early = k_blocks < STAGES ? k_blocks : STAGES;
       for (int kb = 0; kb < early; ++kb) {
         mbar_expect_tx(&full[kb], SUB);
-        tma_load_2d(ring + kb * SUB, &p.wt[src], &full[kb], kb * BK, a_row);
+        tma_load<HINTS>(ring + kb * SUB, &p.wt[src], &full[kb], kb * BK, a_row, keep);
       }
       wait_previous_wave();
       for (int kb = 0; kb < k_blocks; ++kb) {
@@ -578,7 +595,7 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
         if (kb >= early) {
           mbar_wait(&empty[s], ((kb / STAGES) & 1) ^ 1);
           mbar_expect_tx(&full[s], SUB);
-          tma_load_2d(ring + s * SUB, &p.wt[src], &full[s], kb * BK, a_row);
+          tma_load<HINTS>(ring + s * SUB, &p.wt[src], &full[s], kb * BK, a_row, keep);
         }
         tma_load_2d(ring + s * SUB + A_SUB, &p.dz[src], &full[s], kb * BK, b_row);
       }
@@ -596,11 +613,12 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
           }
           uint8_t* dst = epi + tile * F_TILE;
           if (tile < 5)
-            tma_load_2d(dst, &p.fac[l], ebar, ut * BM, tile * rows + t * p.B + row0);
+            tma_load<HINTS>(dst, &p.fac[l], ebar, ut * BM, tile * rows + t * p.B + row0, once);
           else if (tile == 5 && !last_step)
-            tma_load_2d(dst, &p.fac[l], ebar, ut * BM, 5 * rows + (t + 1) * p.B + row0);
+            tma_load<HINTS>(dst, &p.fac[l], ebar, ut * BM, 5 * rows + (t + 1) * p.B + row0,
+                            once);
           else if (tile == 6 && top)
-            tma_load_2d(dst, &p.dy, ebar, ut * BM, t * p.B + row0);
+            tma_load<HINTS>(dst, &p.dy, ebar, ut * BM, t * p.B + row0, once);
           else if (tile >= 7)
             tma_load_2d(dst, &p.dc[l], ebar, ut * BM + 32 * (tile - 7), row0);
         }
@@ -768,18 +786,23 @@ constexpr int kBadShape = 1, kBadVariant = 2, kNoEncoder = 3, kEncodeFailed = 10
 constexpr int kMaxDevices = 64;
 
 // Variant 1 of each is what lstm_wave.py runs; variant 0 launches every wave after the previous
-// one ends (no programmatic dependent launch), the A/B reference of bench/encoder_lstm.py.
+// one ends (no programmatic dependent launch), the A/B reference of bench/encoder_lstm.py;
+// variant 2 is variant 1 with L2 eviction priorities on its TMA copies (HINTS): at batch 192 a
+// wave's step time follows the weights it streams (docs/PERFORMANCE.md), and the factor planes
+// written and read at every step would otherwise push them out of L2.
 // Measured and dropped (docs/PERFORMANCE.md): 128-wide forward stages, clusters of two
 // multicasting W's tile, and backward rings 9 or 10 deep.
 struct FwdVariant { void (*kernel)(fwd::Params); int ring; bool pdl; };
 const FwdVariant kFwdVariants[] = {
-    {fwd::wave_t<7>, 7, false},
-    {fwd::wave_t<7>, 7, true},
+    {fwd::wave_t<7, false>, 7, false},
+    {fwd::wave_t<7, false>, 7, true},
+    {fwd::wave_t<7, true>, 7, true},
 };
 struct BwdVariant { void (*kernel)(bwd::Params); int ring; bool pdl; };
 const BwdVariant kBwdVariants[] = {
-    {bwd::wave_bwd<8>, 8, false},
-    {bwd::wave_bwd<8>, 8, true},
+    {bwd::wave_bwd<8, false>, 8, false},
+    {bwd::wave_bwd<8, false>, 8, true},
+    {bwd::wave_bwd<8, true>, 8, true},
 };
 constexpr int kFwdCount = sizeof(kFwdVariants) / sizeof(kFwdVariants[0]);
 constexpr int kBwdCount = sizeof(kBwdVariants) / sizeof(kBwdVariants[0]);

@@ -59,6 +59,51 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
       "r"(smem_u32(src)), "r"(col), "r"(row)
       : "memory");
 }
+// L2 eviction priorities for TMA copies (createpolicy): what a kernel will read again soon
+// (weights, every step) against what it streams through once (planes read back much later)
+__device__ __forceinline__ uint64_t l2_evict_last() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ uint64_t l2_evict_first() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ void tma_load_2d_hint(void* dst, const CUtensorMap* map, uint64_t* bar,
+                                                 int col, int row, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_u32(dst)),
+      "l"(map), "r"(smem_u32(bar)), "r"(col), "r"(row), "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ void tma_store_2d_hint(const CUtensorMap* map, const void* src, int col,
+                                                  int row, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3}], [%1],"
+      " %4;" ::"l"(map),
+      "r"(smem_u32(src)), "r"(col), "r"(row), "l"(policy)
+      : "memory");
+}
+// Without kHint the plain copies; with it, the given eviction priority.
+template <bool kHint>
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int col,
+                                         int row, uint64_t policy) {
+  if constexpr (kHint)
+    tma_load_2d_hint(dst, map, bar, col, row, policy);
+  else
+    tma_load_2d(dst, map, bar, col, row);
+}
+template <bool kHint>
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, int col, int row,
+                                          uint64_t policy) {
+  if constexpr (kHint)
+    tma_store_2d_hint(map, src, col, row, policy);
+  else
+    tma_store_2d(map, src, col, row);
+}
 __device__ __forceinline__ void bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
