@@ -33,6 +33,8 @@
 #                                         # (BACKEND=torch|dali, RESAMPLING=gpu|cpu, WORKERS=8,
 #                                         # SETS="key=value ..."; PROFILE_FROM=30: torch.profiler
 #                                         # over 5 steps of each)
+#   bash bench/gpu_session.sh realstep_ab # realstep for this checkout and the tree SRC_B in
+#                                         # turn, ROUNDS (2) times each: a change's effect
 #   bash bench/gpu_session.sh converge    # the runs of configs/convergence/, in the background
 #   bash bench/gpu_session.sh fork        # more runs, from the fast run's first checkpoint past
 #                                         # the loss plateau
@@ -59,7 +61,7 @@ if [ -n "${ON_GPU:-}" ]; then
   exec env ON_GPU= CUDA_VISIBLE_DEVICES="$ON_GPU" taskset -c "$first-$(( first + share - 1 ))" \
     bash "$0" "$@"
 fi
-phase=${1:?phase: setup | tests | loss | step | lstm | features | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | converge | fork | wait | evalparity | rescore | stress | bundle}
+phase=${1:?phase: setup | tests | loss | step | lstm | features | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | realstep_ab | converge | fork | wait | evalparity | rescore | stress | bundle}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
 # the spoken-digits corpus the distributed tests train on (this machine has no espeak-ng):
@@ -316,6 +318,18 @@ for line in open(sys.argv[1]):
     done
     python3 scripts/plot_metrics.py "$OUT/realstep_real_metrics.jsonl" \
       "$OUT/realstep_synthetic_metrics.jsonl" --labels real synthetic --summary-only ;;
+  realstep_ab)
+    # this checkout against SRC_B (another commit's tree, from `git archive`), alternating on
+    # the same GPU and cores so that both see the same machine: each run's real and synthetic
+    # medians, in $OUT/realstep_ab.txt
+    for round in $(seq 1 "${ROUNDS:-2}"); do
+      for arm in this other; do
+        src=.
+        [ "$arm" = other ] && src=${SRC_B:?"SRC_B: the tree to compare with"}
+        OUT=$OUT/ab_${arm}_$round SRC=$src bash "$0" realstep 2>&1 \
+          | grep -E "^(real|synthetic):" | sed "s/^/$arm, round $round, /"
+      done
+    done | tee "$OUT/realstep_ab.txt" ;;
   multireal)
     # real audio on every GPU here under NCCL: the corpus's fast-path config for EPOCHS epochs,
     # evaluated after each, with BACKEND's loader. PER_GPU utterances per GPU (192: the global
