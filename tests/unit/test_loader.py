@@ -22,7 +22,7 @@ import torch
 import rnnt.data.dali as dali_module
 from rnnt.config import Config, ConfigError
 from rnnt.data.features import AudioFileError, FeatureExtractor, read_audio
-from rnnt.data.loader import audio_path, build_loader, resolve_backend
+from rnnt.data.loader import BatchAssembler, audio_path, build_loader, resolve_backend
 from rnnt.data.manifest import Utterance, read_manifest
 from rnnt.data.sampler import SamplerStateError
 from rnnt.data.tokenizer import Tokenizer, train_tokenizer
@@ -509,3 +509,22 @@ def test_decode_only_workers_hand_over_pcm_that_the_feature_stage_scales(corpus,
     assert mixed[2].dtype == torch.float32
     rows = dict(zip(mixed[0], mixed[2], strict=True))
     assert torch.allclose(rows[1][: len(samples)], torch.from_numpy(0.75 * samples), atol=1e-4)
+
+
+def test_batch_assembler_pads_each_rows_tokens_in_order():
+    """The token matrix of a batch: row i holds utterance i's token ids from position 0, zeros
+    after them (and one zero column when every row is empty), with the host lengths beside;
+    checked against row-by-row filling on ragged rows, empty ones among them."""
+    rows = [[5, 1, 1023], [], [7], list(range(300, 536)), [], [2, 2]]
+    utts = [Utterance(f"u{i}", "a.wav", 1.0, "t", tokens) for i, tokens in enumerate(rows)]
+    assemble = BatchAssembler(utts, train=True)
+    order = [3, 1, 0, 5, 2, 4]
+    batch = assemble(order, torch.zeros(6, 2, 4), torch.full((6,), 4))
+    want = torch.zeros(6, 236, dtype=torch.int64)
+    for row, i in enumerate(order):
+        want[row, : len(rows[i])] = torch.tensor(rows[i], dtype=torch.int64)
+    assert batch.tokens.dtype == torch.int64 and torch.equal(batch.tokens, want)
+    assert batch.token_lens.tolist() == [236, 0, 3, 2, 1, 0]
+    assert batch.host_lens[1].tolist() == [236, 0, 3, 2, 1, 0]
+    empty = assemble([1, 4], torch.zeros(2, 2, 4), torch.full((2,), 4))
+    assert torch.equal(empty.tokens, torch.zeros(2, 1, dtype=torch.int64))
