@@ -7,14 +7,14 @@ w(x) = c sinc(c x) (1 + cos(pi c x / LOBES)) / 2 for |c x| < LOBES, x = src - in
 reference builds a (B, N, taps) gather in float64; here each program computes a block of
 output samples of one row in registers.
 
-Only what needs it is float64: the input position (at 300,000 samples float32 would misplace
-it by up to 0.02 samples) and the sine and cosine of its offset from the nearest sample. The
-taps are float32: with src = m + f (m the nearest sample, |f| <= 1/2) and x = f - t for tap
-m + t, sin(pi c x) = sin(pi c f) cos(pi c t) - cos(pi c f) sin(pi c t), whose terms in t are
-per-row tables. Only t = 0 brings x near 0, where sinc divides by it: that tap is
-sin(pi c f) / (pi c f) itself, while every other tap has |x| >= 1/2, so the difference of
-products keeps float32's absolute accuracy where it matters. The envelope's cosine comes from
-the same identity.
+Only the input position is float64 (at 300,000 samples float32 would misplace it by up to
+0.02 samples). Its offset from the nearest sample m, src = m + f with |f| <= 1/2, is exact
+enough in float32, and so is everything after it. With x = f - t for tap m + t,
+sin(pi c x) = sin(pi c f) cos(pi c t) - cos(pi c f) sin(pi c t), whose terms in t are
+per-row tables; the envelope's cosine comes from the same identity. Only t = 0 brings x near
+0, where sinc divides by it: that tap is sin(pi c f) / (pi c f) itself, while every other tap
+has |x| >= 1/2, so the difference of products keeps float32's absolute accuracy and 1/x may
+be the hardware's approximate one (a few 1e-7 relative).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _resample_kernel(
     lengths_ptr,  # (B,) int64: valid input samples per row
     out_lengths_ptr,  # (B,) int64: valid output samples per row
     ratio_ptr,  # (B,) float64: output rate / input rate
-    table_ptr,  # (B, 2 HALF + 1, 4) float32: cos, sin of pi c t and of pi c t / LOBES
+    table_ptr,  # (B, 2 HALF + 1, 2) int64: tap_table's float32 pairs
     out_ptr,  # (B, out_width) float32
     width,
     out_width,
@@ -61,6 +61,14 @@ def _resample_kernel(
 
 
 @triton.jit
+def _float_pair(bits):
+    """The two float32 of an int64: (low word, high word), as a little-endian float32 pair."""
+    low = bits.to(tl.int32).to(tl.float32, bitcast=True)
+    high = (bits >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    return low, high
+
+
+@triton.jit
 def _resample_block(
     wave_ptr,
     lengths_ptr,
@@ -75,43 +83,52 @@ def _resample_block(
 ):
     """(BLOCK,) float32 resampled samples at output positions n of `row` (see the module)."""
     ratio = tl.load(ratio_ptr + row)
-    length = tl.load(lengths_ptr + row)
+    length = tl.load(lengths_ptr + row).to(tl.int32)
     cutoff = tl.minimum(ratio, 1.0)
     src = (n.to(tl.float64) + 0.5) / ratio - 0.5
     nearest = tl.floor(src + 0.5)
     f = src - nearest  # in [-1/2, 1/2]
-    angle = 3.141592653589793 * cutoff * f
-    sin_angle = tl.sin(angle)
-    sin_f = sin_angle.to(tl.float32)
-    cos_f = tl.cos(angle).to(tl.float32)
-    sin_fe = tl.sin(angle / LOBES).to(tl.float32)
-    cos_fe = tl.cos(angle / LOBES).to(tl.float32)
-    # the centre tap's sinc, sin(a) / a, from float64 (exactly 1 where a underflows)
-    tiny = tl.abs(angle) < 1e-12
-    centre_sinc = tl.where(tiny, 1.0, sin_angle / tl.where(tiny, 1.0, angle)).to(tl.float32)
+    # from here float32: |f| <= 1/2 is exact enough, and so are the sines of small angles
     f32 = f.to(tl.float32)
     c32 = cutoff.to(tl.float32)
-    pi_c = 3.141592653589793 * c32
-    first = nearest.to(tl.int64) - HALF
-    valid = n < out_length
-    row_table = table_ptr + row * (2 * HALF + 1) * 4
+    angle = 3.1415927 * c32 * f32
+    sin_angle = tl.sin(angle)
+    # c sinc(c x) = sin(pi c x) / (pi x): the cutoff cancels but in the sine, and the Hann
+    # envelope's 1/2 and the 1/pi go into the two factors of the sine's difference of products
+    half_sin_f = 0.15915494 * sin_angle
+    half_cos_f = 0.15915494 * tl.cos(angle)
+    sin_fe = tl.sin(angle / LOBES)
+    cos_fe = tl.cos(angle / LOBES)
+    # the centre tap: c sin(a) / a (c where a underflows)
+    tiny = tl.abs(angle) < 1e-30
+    centre_sinc = c32 * tl.where(tiny, 1.0, sin_angle / tl.where(tiny, 1.0, angle))
+    first = nearest.to(tl.int32) - HALF
+    # taps read first + k: one pointer, constant offsets
+    taps_ptr = wave_ptr + row * width + first
+    row_table = table_ptr + row * (2 * HALF + 1) * 2
     acc = tl.zeros(n.shape, dtype=tl.float32)
     for k in tl.static_range(0, 2 * HALF + 1):
         t = k - HALF
-        cos_t = tl.load(row_table + 4 * k)
-        sin_t = tl.load(row_table + 4 * k + 1)
-        cos_te = tl.load(row_table + 4 * k + 2)
-        sin_te = tl.load(row_table + 4 * k + 3)
-        x = f32 - t
+        # two float32 per 64-bit load: the loads, not the arithmetic, would bound the taps
+        cos_t, sin_t = _float_pair(tl.load(row_table + 2 * k))
+        cos_te, sin_te = _float_pair(tl.load(row_table + 2 * k + 1))
+        envelope = 1.0 + cos_fe * cos_te + sin_fe * sin_te
         if t == 0:
-            sinc = centre_sinc
+            weight = centre_sinc * (0.5 * envelope)
         else:
-            sinc = (sin_f * cos_t - cos_f * sin_t) / (pi_c * x)
-        envelope = 0.5 * (1.0 + cos_fe * cos_te + sin_fe * sin_te)
-        weight = tl.where(tl.abs(c32 * x) < LOBES, sinc * envelope, 0.0) * c32
-        idx = first + k
-        inside = valid & (idx >= 0) & (idx < length)
-        acc += tl.load(wave_ptr + row * width + idx, mask=inside, other=0.0) * weight
+            # x = f - t has the sign of -t and |x| >= 1/2: 1/x = -sign(t) / sqrt(x^2), whose
+            # approximate reciprocal square root (one instruction) errs by a few 1e-7 relative
+            x = f32 - t
+            inverse = tl.math.rsqrt(x * x)
+            numerator = (half_sin_f * cos_t - half_cos_f * sin_t) * envelope
+            weight = numerator * inverse if t < 0 else -(numerator * inverse)
+            if t * t >= (LOBES - 1) * (LOBES - 1):
+                # |c x| <= |t| + 1/2 < LOBES for every nearer tap: only these leave the window
+                weight = tl.where(tl.abs(c32 * x) < LOBES, weight, 0.0)
+        # one unsigned compare for 0 <= first + k < length; the output's own padding is zeroed
+        # by the caller
+        inside = (first + k).to(tl.uint32, bitcast=True) < length.to(tl.uint32, bitcast=True)
+        acc += tl.load(taps_ptr + k, mask=inside, other=0.0) * weight
     return acc
 
 
@@ -149,7 +166,7 @@ def resample_cuda(
         lengths.contiguous(),
         out_lengths.contiguous(),
         ratio.contiguous(),
-        tap_table(ratio, half, lobes),
+        tap_table(ratio, half, lobes).view(torch.int64),
         out,
         width,
         out_width,

@@ -266,7 +266,7 @@ from rnnt.kernels import frames, resample, trim
 P = "constexpr"
 KERNELS = {
     "resample": (resample._resample_kernel, {"wave_ptr": "*fp32", "lengths_ptr": "*i64",
-        "out_lengths_ptr": "*i64", "ratio_ptr": "*fp64", "table_ptr": "*fp32",
+        "out_lengths_ptr": "*i64", "ratio_ptr": "*fp64", "table_ptr": "*i64",
         "out_ptr": "*fp32", "width": "i32", "out_width": "i32", "HALF": P, "LOBES": P,
         "BLOCK": P}, {"HALF": 19, "LOBES": 16, "BLOCK": resample.BLOCK},
         {"num_warps": resample.NUM_WARPS}),
@@ -306,8 +306,8 @@ def test_the_feature_stage_kernels_compile_for_hopper(tmp_path):
     (no GPU needed): a construct the interpreter runs but the compiler rejects (a float64
     scan, say) fails here rather than at a GPU run's warm-up. Each also keeps its registers:
     a kernel that spills them to its stack runs many times slower (the resampler's launch of
-    512 samples on 2 warps spills 1,736 bytes and took 19 times as long); the 40 bytes the
-    resampler has are the float64 sine's call frame."""
+    512 samples on 2 warps spills 1,736 bytes and took 19 times as long); the 32 bytes the
+    resampler has are the float32 sine's slow path for large angles, which it never takes."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the kernels' own default; frames.py turns it off
