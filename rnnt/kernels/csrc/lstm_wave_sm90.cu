@@ -785,11 +785,11 @@ using namespace wave;
 constexpr int kBadShape = 1, kBadVariant = 2, kNoEncoder = 3, kEncodeFailed = 1000;
 constexpr int kMaxDevices = 64;
 
-// Variant 1 of each is what lstm_wave.py runs; variant 0 launches every wave after the previous
-// one ends (no programmatic dependent launch), the A/B reference of bench/encoder_lstm.py;
-// variant 2 is variant 1 with L2 eviction priorities on its TMA copies (HINTS): at batch 192 a
-// wave's step time follows the weights it streams (docs/PERFORMANCE.md), and the factor planes
-// written and read at every step would otherwise push them out of L2.
+// Variant 2 of each is what lstm_wave.py runs: programmatic dependent launch, and L2 eviction
+// priorities on its TMA copies (HINTS) that keep the weights, which every wave step streams,
+// ahead of the factor planes written and read once. Variant 1 is it without the priorities
+// (1-2% slower a stack, docs/PERFORMANCE.md), variant 0 launches every wave after the previous
+// one ends (no programmatic dependent launch): the A/B references of bench/encoder_lstm.py.
 // Measured and dropped (docs/PERFORMANCE.md): 128-wide forward stages, clusters of two
 // multicasting W's tile, and backward rings 9 or 10 deep.
 struct FwdVariant { void (*kernel)(fwd::Params); int ring; bool pdl; };
