@@ -123,8 +123,9 @@ def test_trim_matches_window_loop_oracle():
 def test_trim_kernel_equals_the_reference(device):
     """rnnt.kernels.trim against the float64 cumulative sums of `trim_silence` and the window
     loop: speech between silences, a quiet row with a click, a fade through the cutoff, rows
-    shorter than, equal to and just over the window, a silent row, noise in one row's padding
-    (which no window may read), and fades right after loud speech. The CPU case runs Triton's
+    shorter than, equal to and just over the window, a silent row, two bursts with whole blocks
+    of starts of silence between them, noise in one row's padding (which no window may read),
+    and fades right after loud speech. The CPU case runs Triton's
     interpreter."""
     pytest.importorskip("triton")
     if device == "cuda" and not torch.cuda.is_available():
@@ -142,6 +143,10 @@ def test_trim_kernel_equals_the_reference(device):
         _speechlike(rng, TRIM_WINDOW + 1, lead=0, trail=0),
         np.zeros(9000, np.float32),
         _speechlike(rng, 2 * TRIM_WINDOW + 7, lead=900, trail=1100),
+        # two bursts blocks apart: the silence between them is kept, whole blocks of it
+        np.concatenate(
+            [_speechlike(rng, 700, lead=5000, trail=3 * TRIM_WINDOW), _speechlike(rng, 900)]
+        ),
     ]
     rows[1][:200] += 0.5
     # loud speech, then noise fading through the cutoff within the same block of starts:
@@ -166,6 +171,7 @@ def test_trim_kernel_equals_the_reference(device):
         begin, end = _trim_oracle(x, -60.0)
         assert got_lens[i] == end - begin
     assert 0 < got_lens[2] < len(rows[2]) - 8000 and got_lens[6] == 9000
+    assert got_lens[8] > 3 * TRIM_WINDOW
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
