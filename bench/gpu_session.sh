@@ -32,7 +32,7 @@
 #   bash bench/gpu_session.sh realstep    # the trainer's step on its audio vs synthetic batches
 #                                         # (BACKEND=torch|dali, RESAMPLING=gpu|cpu, WORKERS=8,
 #                                         # SETS="key=value ..."; PROFILE_FROM=30: torch.profiler
-#                                         # over 5 steps of each)
+#                                         # over 5 steps of each, and bench/trace_streams.py on it)
 #   bash bench/gpu_session.sh realstep_ab # realstep for this checkout and the tree SRC_B in
 #                                         # turn, ROUNDS (2) times each: a change's effect
 #   bash bench/gpu_session.sh converge    # the runs of configs/convergence/, in the background
@@ -314,6 +314,11 @@ for line in open(sys.argv[1]):
       cp "$work/step_$data/metrics.jsonl" "$OUT/realstep_${data}_metrics.jsonl"
       for f in "$work/step_$data"/profile/*; do
         [ -f "$f" ] && gzip -c "$f" > "$OUT/realstep_${data}_$(basename "$f").gz"
+      done
+      # the feature stage's bursts on its own stream: span against busy time (a long wait
+      # behind the step's kernels shows as a span far beyond the busy time)
+      for f in "$work/step_$data"/profile/*.json; do
+        [ -f "$f" ] && python3 bench/trace_streams.py "$f" > "$OUT/realstep_${data}_streams.txt"
       done
     done
     python3 scripts/plot_metrics.py "$OUT/realstep_real_metrics.jsonl" \

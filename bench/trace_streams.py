@@ -1,0 +1,140 @@
+"""The GPU streams of a torch.profiler Chrome trace, and how long the side streams' work waited.
+
+Reads the trace that `rnnt/profiling.py` writes (`training.profile_from_step`; for the real-audio
+step, `PROFILE_FROM=60 bash bench/gpu_session.sh realstep`), plain or gzipped. Per CUDA
+stream: kernels, copies and memsets, and the time in which at least one of them ran. The
+busiest stream is taken for the training step's; the work of every other stream (the input
+pipeline's feature stage) is cut into bursts at gaps longer than --gap-ms, and each burst gets
+
+- its span, from its first start to its last end, and its busy time;
+- the busy time of the step's stream inside that span.
+
+A burst whose span is much longer than its own busy time spent the rest waiting: its work was
+queued behind the step's kernels, or its launches came late. Also printed: the time in the
+window in which no stream ran anything (the GPU idle).
+
+    python bench/trace_streams.py RUN_DIR/profile/rank0_steps60-64.json [--gap-ms 2] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+Interval = tuple[float, float]  # (start, end) in microseconds
+
+
+def device_events(trace: dict) -> dict[int, list[Interval]]:
+    """The complete events of the device's work, by stream, sorted by start."""
+    streams: dict[int, list[Interval]] = {}
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") != "X" or event.get("cat") not in DEVICE_CATEGORIES:
+            continue
+        stream = int(event.get("args", {}).get("stream", -1))
+        start = float(event["ts"])
+        streams.setdefault(stream, []).append((start, start + float(event.get("dur", 0.0))))
+    for intervals in streams.values():
+        intervals.sort()
+    return streams
+
+
+def union(intervals: list[Interval]) -> list[Interval]:
+    """Sorted intervals -> their union, as disjoint sorted intervals."""
+    merged: list[Interval] = []
+    for start, end in intervals:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def covered(intervals: list[Interval], lo: float, hi: float) -> float:
+    """How much of [lo, hi] the disjoint sorted `intervals` cover."""
+    return sum(max(0.0, min(end, hi) - max(start, lo)) for start, end in intervals)
+
+
+def bursts(intervals: list[Interval], gap_us: float) -> list[list[Interval]]:
+    """Sorted intervals cut where the next one starts more than gap_us after all before it ended."""
+    groups: list[list[Interval]] = []
+    last_end = float("-inf")
+    for start, end in intervals:
+        if not groups or start - last_end > gap_us:
+            groups.append([])
+        groups[-1].append((start, end))
+        last_end = max(last_end, end)
+    return groups
+
+
+def summarize(trace: dict, gap_ms: float = 2.0) -> dict:
+    """Per stream and per side-stream burst, in milliseconds (see the module)."""
+    streams = device_events(trace)
+    if not streams:
+        raise ValueError("the trace holds no kernels, copies or memsets (profiled on a CPU?)")
+    merged = {stream: union(intervals) for stream, intervals in streams.items()}
+    busy = {stream: sum(end - start for start, end in m) for stream, m in merged.items()}
+    step_stream = max(busy, key=lambda stream: busy[stream])
+    everything = union(sorted(i for intervals in streams.values() for i in intervals))
+    window = (everything[0][0], everything[-1][1])
+    gpu_busy = sum(end - start for start, end in everything)
+    result = {
+        "window_ms": (window[1] - window[0]) / 1e3,
+        "gpu_idle_ms": (window[1] - window[0] - gpu_busy) / 1e3,
+        "step_stream": step_stream,
+        "streams": [],
+    }
+    for stream in sorted(streams, key=lambda s: -busy[s]):
+        entry = {"stream": stream, "events": len(streams[stream]), "busy_ms": busy[stream] / 1e3}
+        if stream != step_stream:
+            entry["bursts"] = []
+            for group in bursts(streams[stream], gap_ms * 1e3):
+                lo, hi = group[0][0], max(end for _, end in group)
+                own = union(group)
+                entry["bursts"].append(
+                    {
+                        "start_ms": (lo - window[0]) / 1e3,
+                        "events": len(group),
+                        "span_ms": (hi - lo) / 1e3,
+                        "busy_ms": sum(end - start for start, end in own) / 1e3,
+                        "step_busy_ms": covered(merged[step_stream], lo, hi) / 1e3,
+                    }
+                )
+        result["streams"].append(entry)
+    return result
+
+
+def load(path: Path) -> dict:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--gap-ms", type=float, default=2.0, help="a longer gap starts a burst")
+    parser.add_argument("--json", default=None, help="write the summary here")
+    args = parser.parse_args()
+    result = summarize(load(args.trace), args.gap_ms)
+    print(
+        f"{args.trace.name}: {result['window_ms']:.1f} ms window, GPU idle "
+        f"{result['gpu_idle_ms']:.1f} ms; the step's stream: {result['step_stream']}"
+    )
+    for entry in result["streams"]:
+        print(f"stream {entry['stream']}: {entry['events']} events, {entry['busy_ms']:.2f} ms busy")
+        for b in entry.get("bursts", []):
+            print(
+                f"  burst at {b['start_ms']:8.2f} ms: {b['events']:4d} events, span "
+                f"{b['span_ms']:6.2f} ms, busy {b['busy_ms']:5.2f} ms, the step's stream busy "
+                f"{b['step_busy_ms']:6.2f} ms of it"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

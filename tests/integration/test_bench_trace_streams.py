@@ -1,0 +1,87 @@
+"""bench/trace_streams.py: the streams and side-stream bursts of a Chrome trace, on a made-up
+trace whose numbers are known, through the command line with a gzipped file, and its refusal of
+a trace with no device work (what a CPU run's profile holds)."""
+
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.trace_streams import summarize
+
+
+def _kernel(stream: int, start_us: float, end_us: float, cat: str = "kernel") -> dict:
+    return {
+        "ph": "X",
+        "cat": cat,
+        "name": "k",
+        "ts": start_us,
+        "dur": end_us - start_us,
+        "args": {"stream": stream, "device": 0},
+    }
+
+
+def _trace() -> dict:
+    step = [_kernel(7, 0, 10_000), _kernel(7, 10_000, 30_000), _kernel(7, 40_000, 100_000)]
+    # the side stream: a burst of three kernels beside the step's work, gaps under 2 ms, then
+    # a kernel and a copy while the step's stream is idle
+    side = [
+        _kernel(20, 5_000, 6_000),
+        _kernel(20, 7_000, 7_500),
+        _kernel(20, 8_000, 9_000),
+        _kernel(20, 35_000, 36_000),
+        _kernel(20, 36_500, 37_000, cat="gpu_memcpy"),
+    ]
+    host = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": -50_000, "dur": 500_000},
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 1, "args": {"stream": 7}},
+    ]
+    return {"traceEvents": host + side[::-1] + step}
+
+
+def test_streams_bursts_and_idle_time_of_a_known_trace():
+    result = summarize(_trace(), gap_ms=2.0)
+    assert result["step_stream"] == 7
+    assert result["window_ms"] == pytest.approx(100.0)
+    # idle: 30-35, 36-36.5 and 37-40 ms
+    assert result["gpu_idle_ms"] == pytest.approx(8.5)
+    step, side = result["streams"]
+    assert (step["stream"], step["events"], step["busy_ms"]) == (7, 3, pytest.approx(90.0))
+    assert "bursts" not in step
+    assert (side["stream"], side["events"], side["busy_ms"]) == (20, 5, pytest.approx(4.0))
+    first, second = side["bursts"]
+    assert first == pytest.approx(
+        {"start_ms": 5.0, "events": 3, "span_ms": 4.0, "busy_ms": 2.5, "step_busy_ms": 4.0}
+    )
+    assert second == pytest.approx(
+        {"start_ms": 35.0, "events": 2, "span_ms": 2.0, "busy_ms": 1.5, "step_busy_ms": 0.0}
+    )
+    # a gap of 0.75 ms cuts the first burst after its first kernel (1 ms), not after its
+    # second (0.5 ms)
+    spans = [b["span_ms"] for b in summarize(_trace(), gap_ms=0.75)["streams"][1]["bursts"]]
+    assert spans == pytest.approx([1.0, 2.0, 2.0])
+
+
+def test_command_line_reads_a_gzipped_trace(tmp_path, repo_root):
+    path = tmp_path / "rank0_steps60-64.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(_trace(), f)
+    out = tmp_path / "summary.json"
+    done = subprocess.run(
+        [sys.executable, str(repo_root / "bench/trace_streams.py"), str(path), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=repo_root,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "GPU idle 8.5 ms; the step's stream: 7" in done.stdout
+    assert "burst at    35.00 ms:    2 events, span   2.00 ms, busy  1.50 ms" in done.stdout
+    assert json.loads(out.read_text())["streams"][1]["busy_ms"] == pytest.approx(4.0)
+
+
+def test_a_trace_without_device_work_is_refused():
+    cpu_only = {"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0}]}
+    with pytest.raises(ValueError, match="no kernels, copies or memsets"):
+        summarize(cpu_only)
