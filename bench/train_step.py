@@ -1,4 +1,4 @@
-"""Training-step throughput of the real Trainer on synthetic batches at LibriSpeech lengths.
+r"""Training-step throughput of the real Trainer on synthetic batches at LibriSpeech lengths.
 
 For each (per-GPU batch size, num_cg) this builds `rnnt.trainer.Trainer` from the config with
 `data.backend: synthetic` (noise features at the lengths and token counts of a LibriSpeech
@@ -22,7 +22,12 @@ hide) and for the weights' all-gather, from CUDA events recorded by the optimize
 
     python bench/train_step.py --batch-sizes 16 64 192 --num-cg 0 4 --json results/step.json
     torchrun --nproc_per_node 4 bench/train_step.py --batch-sizes 192 24 --num-cg 4
-    python bench/train_step.py --device cpu --config configs/tiny.yaml --batch-sizes 4 --steps 2
+    python bench/train_step.py --device cpu --config configs/tiny.yaml --batch-sizes 4 --steps 2 \
+        --set data.max_duration=4 --set model.n_classes=1024
+
+(The CPU line is a smoke run: the batches come from the LibriSpeech length table, whose
+transcripts need a vocabulary of more pieces than the tiny config's 24, and short utterances
+keep it to seconds.)
 """
 
 from __future__ import annotations
