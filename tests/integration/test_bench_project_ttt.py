@@ -1,5 +1,5 @@
 """bench/project_ttt.py on a real CPU run: projected onto its own epochs and training set, the
-projection gives back the run's own timed region."""
+projection gives back the run's own timed region (past the first epoch's warm-up)."""
 
 import json
 import subprocess
@@ -62,8 +62,10 @@ def test_a_run_projected_onto_itself_takes_its_own_time(repo_root, tiny_sets, tm
     per_epoch = projected["time_to_train_s"] / 4
     assert min(train) + min(between) - 1e-6 <= per_epoch <= max(train) + max(between) + 1e-6
     assert projected["epoch_s"] + projected["between_s"] == pytest.approx(per_epoch)
-    timed = marks["run_stop", None] - marks["run_start", None]
-    assert 0.5 * timed < projected["time_to_train_s"] < 2 * timed
+    # the run's own timed region from epoch 2 on, scaled to 4 epochs: the first epoch's
+    # warm-up, which the projection leaves out by design, took seconds on a busy 2-core VM
+    later_timed = (marks["run_stop", None] - marks["epoch_start", 2]) * 4 / 3
+    assert 0.5 * later_timed < projected["time_to_train_s"] < 2 * later_timed
     assert "time to train = 4 x (" in proc.stdout
 
 
