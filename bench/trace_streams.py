@@ -34,9 +34,13 @@ def device_events(trace: dict) -> dict[int, list[Interval]]:
     for event in trace.get("traceEvents", []):
         if event.get("ph") != "X" or event.get("cat") not in DEVICE_CATEGORIES:
             continue
-        stream = int(event.get("args", {}).get("stream", -1))
-        start = float(event["ts"])
-        streams.setdefault(stream, []).append((start, start + float(event.get("dur", 0.0))))
+        try:
+            stream = int(event.get("args", {}).get("stream", -1))
+            start = float(event["ts"])
+            end = start + float(event.get("dur", 0.0))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"a {event.get('cat')} event without a usable {err}: {event}") from err
+        streams.setdefault(stream, []).append((start, end))
     for intervals in streams.values():
         intervals.sort()
     return streams
@@ -108,9 +112,16 @@ def summarize(trace: dict, gap_ms: float = 2.0) -> dict:
 
 
 def load(path: Path) -> dict:
+    """The trace at `path` (plain or gzipped JSON); ValueError naming the file otherwise."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        return json.load(f)
+    try:
+        with opener(path, "rt") as f:
+            trace = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a readable Chrome trace ({err})") from err
+    if not isinstance(trace, dict):
+        raise ValueError(f"{path}: not a Chrome trace (no traceEvents object)")
+    return trace
 
 
 def main() -> None:
@@ -119,7 +130,12 @@ def main() -> None:
     parser.add_argument("--gap-ms", type=float, default=2.0, help="a longer gap starts a burst")
     parser.add_argument("--json", default=None, help="write the summary here")
     args = parser.parse_args()
-    result = summarize(load(args.trace), args.gap_ms)
+    try:
+        result = summarize(load(args.trace), args.gap_ms)
+    except ValueError as err:
+        message = str(err)
+        named = message if message.startswith(str(args.trace)) else f"{args.trace}: {message}"
+        raise SystemExit(named) from None
     print(
         f"{args.trace.name}: {result['window_ms']:.1f} ms window, GPU idle "
         f"{result['gpu_idle_ms']:.1f} ms; the step's stream: {result['step_stream']}"

@@ -85,3 +85,27 @@ def test_a_trace_without_device_work_is_refused():
     cpu_only = {"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0}]}
     with pytest.raises(ValueError, match="no kernels, copies or memsets"):
         summarize(cpu_only)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("{bad", "not a readable Chrome trace"),
+        ('{"traceEvents": []}', "no kernels, copies or memsets"),
+        ('{"traceEvents": [{"ph": "X", "cat": "kernel", "args": {"stream": 7}}]}', "'ts'"),
+    ],
+)
+def test_bad_traces_are_one_line_naming_the_file(tmp_path, repo_root, text, message):
+    path = tmp_path / "trace.json"
+    path.write_text(text)
+    for target in (path, tmp_path / "missing.json"):
+        done = subprocess.run(
+            [sys.executable, str(repo_root / "bench/trace_streams.py"), str(target)],
+            capture_output=True,
+            text=True,
+            cwd=repo_root,
+        )
+        assert done.returncode != 0 and "Traceback" not in done.stderr
+        assert done.stderr.strip().startswith(f"{target}: ")
+        if target == path:
+            assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
