@@ -7,10 +7,15 @@ busiest stream is taken for the training step's; the work of every other stream 
 pipeline's feature stage) is cut into bursts at gaps longer than --gap-ms, and each burst gets
 
 - its span, from its first start to its last end, and its busy time;
-- the busy time of the step's stream inside that span.
+- the busy time of the step's stream inside that span;
+- the time it ran alone, while the step's stream ran nothing (also per stream).
 
 A burst whose span is much longer than its own busy time spent the rest waiting: its work was
-queued behind the step's kernels, or its launches came late. Also printed: the time in the
+queued behind the step's kernels, or its launches came late. A burst that ran alone held the
+step up, or filled a gap that the step's stream left anyway: a kernel that fills every SM keeps
+the next kernel of another stream of the same priority waiting until its last block starts, so
+where the step's kernels follow each other, the side stream's large kernels run between them
+(the real-audio step's feature stage: docs/PERFORMANCE.md). Also printed: the time in the
 window in which no stream ran anything (the GPU idle).
 
     python bench/trace_streams.py RUN_DIR/profile/rank0_steps60-64.json [--gap-ms 2] [--json F]
@@ -62,6 +67,18 @@ def covered(intervals: list[Interval], lo: float, hi: float) -> float:
     return sum(max(0.0, min(end, hi) - max(start, lo)) for start, end in intervals)
 
 
+def overlap(a: list[Interval], b: list[Interval]) -> float:
+    """How much time two lists of disjoint sorted intervals share."""
+    shared, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        shared += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return shared
+
+
 def bursts(intervals: list[Interval], gap_us: float) -> list[list[Interval]]:
     """Sorted intervals cut where the next one starts more than gap_us after all before it ended."""
     groups: list[list[Interval]] = []
@@ -94,6 +111,9 @@ def summarize(trace: dict, gap_ms: float = 2.0) -> dict:
     for stream in sorted(streams, key=lambda s: -busy[s]):
         entry = {"stream": stream, "events": len(streams[stream]), "busy_ms": busy[stream] / 1e3}
         if stream != step_stream:
+            # its work while the step's stream ran nothing: time the step waited for it, or
+            # that it filled while the step's stream was idle anyway
+            entry["alone_ms"] = (busy[stream] - overlap(merged[stream], merged[step_stream])) / 1e3
             entry["bursts"] = []
             for group in bursts(streams[stream], gap_ms * 1e3):
                 lo, hi = group[0][0], max(end for _, end in group)
@@ -105,6 +125,11 @@ def summarize(trace: dict, gap_ms: float = 2.0) -> dict:
                         "span_ms": (hi - lo) / 1e3,
                         "busy_ms": sum(end - start for start, end in own) / 1e3,
                         "step_busy_ms": covered(merged[step_stream], lo, hi) / 1e3,
+                        "alone_ms": (
+                            sum(end - start for start, end in own)
+                            - overlap(own, merged[step_stream])
+                        )
+                        / 1e3,
                     }
                 )
         result["streams"].append(entry)
@@ -141,12 +166,16 @@ def main() -> None:
         f"{result['gpu_idle_ms']:.1f} ms; the step's stream: {result['step_stream']}"
     )
     for entry in result["streams"]:
-        print(f"stream {entry['stream']}: {entry['events']} events, {entry['busy_ms']:.2f} ms busy")
+        alone = f", {entry['alone_ms']:.2f} ms of it alone" if "alone_ms" in entry else ""
+        print(
+            f"stream {entry['stream']}: {entry['events']} events, {entry['busy_ms']:.2f} ms busy"
+            + alone
+        )
         for b in entry.get("bursts", []):
             print(
                 f"  burst at {b['start_ms']:8.2f} ms: {b['events']:4d} events, span "
                 f"{b['span_ms']:6.2f} ms, busy {b['busy_ms']:5.2f} ms, the step's stream busy "
-                f"{b['step_busy_ms']:6.2f} ms of it"
+                f"{b['step_busy_ms']:6.2f} ms of it, alone {b['alone_ms']:5.2f} ms"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

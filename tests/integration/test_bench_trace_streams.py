@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.trace_streams import summarize
+from bench.trace_streams import overlap, summarize
 
 
 def _kernel(stream: int, start_us: float, end_us: float, cat: str = "kernel") -> dict:
@@ -51,17 +51,42 @@ def test_streams_bursts_and_idle_time_of_a_known_trace():
     assert (step["stream"], step["events"], step["busy_ms"]) == (7, 3, pytest.approx(90.0))
     assert "bursts" not in step
     assert (side["stream"], side["events"], side["busy_ms"]) == (20, 5, pytest.approx(4.0))
+    # alone: the kernel and the copy at 35-37 ms, in the step's stream's gap at 30-40 ms
+    assert side["alone_ms"] == pytest.approx(1.5)
     first, second = side["bursts"]
     assert first == pytest.approx(
-        {"start_ms": 5.0, "events": 3, "span_ms": 4.0, "busy_ms": 2.5, "step_busy_ms": 4.0}
+        {
+            "start_ms": 5.0,
+            "events": 3,
+            "span_ms": 4.0,
+            "busy_ms": 2.5,
+            "step_busy_ms": 4.0,
+            "alone_ms": 0.0,
+        }
     )
     assert second == pytest.approx(
-        {"start_ms": 35.0, "events": 2, "span_ms": 2.0, "busy_ms": 1.5, "step_busy_ms": 0.0}
+        {
+            "start_ms": 35.0,
+            "events": 2,
+            "span_ms": 2.0,
+            "busy_ms": 1.5,
+            "step_busy_ms": 0.0,
+            "alone_ms": 1.5,
+        }
     )
     # a gap of 0.75 ms cuts the first burst after its first kernel (1 ms), not after its
     # second (0.5 ms)
     spans = [b["span_ms"] for b in summarize(_trace(), gap_ms=0.75)["streams"][1]["bursts"]]
     assert spans == pytest.approx([1.0, 2.0, 2.0])
+
+
+def test_overlap_of_interleaved_intervals():
+    a = [(0.0, 5.0), (6.0, 10.0)]
+    b = [(3.0, 7.0), (9.0, 12.0)]
+    # 3-5, 6-7 and 9-10
+    assert overlap(a, b) == overlap(b, a) == pytest.approx(4.0)
+    assert overlap(a, []) == 0.0
+    assert overlap([(0.0, 1.0)], [(1.0, 2.0)]) == 0.0
 
 
 def test_command_line_reads_a_gzipped_trace(tmp_path, repo_root):
@@ -77,7 +102,9 @@ def test_command_line_reads_a_gzipped_trace(tmp_path, repo_root):
     )
     assert done.returncode == 0, done.stderr
     assert "GPU idle 8.5 ms; the step's stream: 7" in done.stdout
+    assert "stream 20: 5 events, 4.00 ms busy, 1.50 ms of it alone" in done.stdout
     assert "burst at    35.00 ms:    2 events, span   2.00 ms, busy  1.50 ms" in done.stdout
+    assert "the step's stream busy   0.00 ms of it, alone  1.50 ms" in done.stdout
     assert json.loads(out.read_text())["streams"][1]["busy_ms"] == pytest.approx(4.0)
 
 
