@@ -32,7 +32,8 @@
 #   bash bench/gpu_session.sh realstep    # the trainer's step on its audio vs synthetic batches
 #                                         # (BACKEND=torch|dali, RESAMPLING=gpu|cpu, WORKERS=8,
 #                                         # SETS="key=value ..."; PROFILE_FROM=30: torch.profiler
-#                                         # over 5 steps of each, and bench/trace_streams.py on it)
+#                                         # over 5 steps of each, the GPU's work only unless
+#                                         # PROFILE_HOST=true, and bench/trace_streams.py on it)
 #   bash bench/gpu_session.sh realstep_ab # realstep for this checkout and the tree SRC_B in
 #                                         # turn, ROUNDS (2) times each: a change's effect
 #   bash bench/gpu_session.sh converge    # the runs of configs/convergence/, in the background
@@ -302,7 +303,8 @@ for line in open(sys.argv[1]):
       for kv in ${SETS:-}; do extra+=(--set "$kv"); done
       # PROFILE_FROM=step: torch.profiler over PROFILE_STEPS (5) steps from there, both runs
       [ -n "${PROFILE_FROM:-}" ] && extra+=(--set training.profile_from_step="$PROFILE_FROM"
-        --set training.profile_steps="${PROFILE_STEPS:-5}")
+        --set training.profile_steps="${PROFILE_STEPS:-5}"
+        --set training.profile_host="${PROFILE_HOST:-false}")
       [ "$data" = synthetic ] && extra+=(--set data.backend=synthetic
         --set data.synthetic_train_lengths="$work/sentences_train_lengths.tsv"
         --set data.synthetic_val_lengths="$work/sentences_dev_lengths.tsv")

@@ -327,6 +327,10 @@ class TrainingConfig(_Section):
     # OUTPUT_DIR/profile (rnnt/profiling.py); 0: off
     profile_from_step: int = 0
     profile_steps: int = 5
+    # record the host's operators too; False: the GPU's work alone, so that the host keeps its
+    # unprofiled pace (recording every operator slowed the real-audio step's host enough to
+    # change when the GPU got its work). A CPU run records its operators either way.
+    profile_host: bool = True
 
     def check(self) -> None:
         self.at_least(1, "batch_size", "grad_accumulation", "epochs", "log_frequency")

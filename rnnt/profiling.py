@@ -6,6 +6,10 @@ Each rank writes `OUTPUT_DIR/profile/rank<R>_steps<A>-<B>.json` (a Chrome trace:
 or https://ui.perfetto.dev) and `.txt`, its operators and kernels by device time (CPU time
 where no GPU ran). The window opens before step A's batch is fetched, so the loader's
 device work shows beside the steps; a step's graph replays appear as graph launches.
+With `training.profile_host: false` a GPU run records its kernels, copies and memsets alone.
+Recording every host operator slows the host until the GPU waits for it, and the trace then
+shows a schedule the unprofiled run does not have: on an H100, five real-audio steps took
+640 ms with the host's operators recorded and 605 ms without.
 """
 
 from __future__ import annotations
@@ -16,13 +20,27 @@ import torch
 
 
 class StepProfiler:
-    """Profiles steps [first, first + count); inactive when `first` is 0."""
+    """Profiles steps [first, first + count); inactive when `first` is 0. host=False records
+    only the GPU's work (on a GPU): the host then runs at its own pace."""
 
-    def __init__(self, first: int, count: int, out_dir: Path, rank: int, device: torch.device):
+    def __init__(
+        self,
+        first: int,
+        count: int,
+        out_dir: Path,
+        rank: int,
+        device: torch.device,
+        host: bool = True,
+    ):
         self.first, self.last = first, first + count - 1
         self.out_dir = Path(out_dir) / "profile"
         self.rank = rank
         self.device = device
+        self.activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            if not host:
+                self.activities = []
+            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profile: torch.profiler.profile | None = None
 
     @property
@@ -32,11 +50,9 @@ class StepProfiler:
     def before_step(self, step: int) -> None:
         """Called before step `step` fetches its batch."""
         if self.enabled and step == self.first and self._profile is None:
-            activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profile = torch.profiler.profile(activities=activities)
+            self._profile = torch.profiler.profile(activities=self.activities)
             self._profile.__enter__()
 
     def after_step(self, step: int) -> str | None:

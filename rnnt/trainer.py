@@ -114,7 +114,12 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
 
         self.profiler = StepProfiler(
-            tcfg.profile_from_step, tcfg.profile_steps, self.out_dir, ctx.rank, ctx.device
+            tcfg.profile_from_step,
+            tcfg.profile_steps,
+            self.out_dir,
+            ctx.rank,
+            ctx.device,
+            host=tcfg.profile_host,
         )
         self._build_data()
         self._build_model()
