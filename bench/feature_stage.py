@@ -6,6 +6,8 @@ lengths from half the width to all of it), timed with CUDA events, medians of th
   float64 reference, with the largest difference;
 - the silence trim, `trim_silence`, on the resampled batch: the Triton kernels against the
   float64 reference, and whether they kept the same samples;
+- the log and the per-utterance normalization of a mel batch of the same size: the Triton
+  kernel against the reference's operations, with the largest difference;
 - the whole stage, `FeatureExtractor` in training mode on int16 samples, as the loader runs it,
   and without the speed perturbation with its Triton kernels on and off;
 - the resampler at each launch shape (output samples per program x warps), the default marked.
@@ -23,13 +25,16 @@ import torch
 
 from rnnt.config import FeaturesConfig
 from rnnt.data.features import (
+    NORM_EPSILON,
     RESAMPLE_LOBES,
     FeatureExtractor,
     draw_speeds,
+    normalize,
     resample,
     trim_silence,
 )
 from rnnt.kernels import resample as kernel_module
+from rnnt.kernels.log_normalize import log_normalize_cuda
 
 
 def time_ms(fn, repeats: int) -> float:
@@ -83,6 +88,27 @@ def main() -> None:
         f"silence trim: Triton {trim_kernel:.2f} ms, reference {trim_reference:.2f} ms "
         f"({trim_reference / trim_kernel:.1f}x); same samples kept: {same}"
     )
+    # the log and the normalization of a mel batch of this size (frames as the stage makes
+    # them, 80 bins), lengths from the utterances'
+    hop = round(cfg.window_stride * cfg.sample_rate)
+    frame_lens = lengths // hop + 1
+    mel = torch.rand(args.batch, width // hop + 1, cfg.n_mels, device="cuda")
+    mel = mel**4 * 100
+    log_norm_kernel = time_ms(
+        lambda: log_normalize_cuda(mel, frame_lens, cfg.log_floor, NORM_EPSILON), args.repeats
+    )
+
+    def log_norm_reference():
+        logmel = torch.log(torch.clamp(mel, min=cfg.log_floor)).transpose(1, 2)
+        return normalize(logmel, frame_lens)
+
+    log_norm_ref = time_ms(log_norm_reference, args.repeats)
+    difference = log_normalize_cuda(mel, frame_lens, cfg.log_floor, NORM_EPSILON)
+    difference = (difference - log_norm_reference()).abs().max().item()
+    print(
+        f"log and normalization: Triton {log_norm_kernel:.2f} ms, reference {log_norm_ref:.2f} ms "
+        f"({log_norm_ref / log_norm_kernel:.1f}x); max |difference| {difference:.2e}"
+    )
     pcm = (wave * 32768).round().clamp(-32768, 32767).to(torch.int16)
     stage_gen = torch.Generator(device="cuda").manual_seed(0)
     extractor = FeatureExtractor(cfg, train=True).cuda()
@@ -94,7 +120,8 @@ def main() -> None:
     unperturbed.use_kernels = False
     with_references = time_ms(lambda: unperturbed(pcm, lengths, stage_gen), args.repeats)
     print(
-        f"the stage without speed perturbation: Triton trim and framing {with_kernels:.2f} ms, "
+        f"the stage without speed perturbation: Triton trim, framing, log and normalization "
+        f"{with_kernels:.2f} ms, "
         f"reference functions {with_references:.2f} ms ({with_references / with_kernels:.1f}x)"
     )
     half = math.ceil(RESAMPLE_LOBES / ratio_range[0])

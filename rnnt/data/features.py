@@ -305,8 +305,9 @@ class FeatureExtractor(nn.Module):
             )
         self.register_buffer("window", hann_window(self.win_length), persistent=False)
         self.register_buffer("mel", mel_basis(cfg), persistent=False)
-        # float32 batches on a GPU take the Triton kernels (resampling, trim, framing), which
-        # compute what the reference functions of this module compute; off, the references
+        # float32 batches on a GPU take the Triton kernels (resampling, trim, framing, log and
+        # normalization), which compute what the reference functions of this module compute
+        # (the normalization's sums in another order); off, the references
         self.use_kernels = True
 
     @torch.no_grad()
@@ -331,7 +332,8 @@ class FeatureExtractor(nn.Module):
             device = generator.device if generator is not None else wave.device
             noise = torch.randn(wave.shape, generator=generator, device=device).to(wave.device)
         n_fft_pow2 = cfg.n_fft & (cfg.n_fft - 1) == 0  # the framing kernel's tile width
-        if kernels and wave.is_cuda and wave.dtype == torch.float32 and n_fft_pow2:
+        kernels = kernels and wave.is_cuda and wave.dtype == torch.float32
+        if kernels and n_fft_pow2:
             from rnnt.kernels.frames import power_spectrum_cuda
 
             power, frames = power_spectrum_cuda(
@@ -343,8 +345,12 @@ class FeatureExtractor(nn.Module):
                 wave = wave + cfg.dither * noise * valid
             wave = preemphasis(wave, cfg.preemph) * valid
             power, frames = power_spectrum(wave, lengths, self.window, self.hop, cfg.n_fft)
-        mel = torch.matmul(power, self.mel.T).transpose(1, 2)  # (B, F, T)
-        logmel = torch.log(torch.clamp(mel, min=cfg.log_floor))
+        mel = torch.matmul(power, self.mel.T)  # (B, T, F)
+        if kernels:
+            from rnnt.kernels.log_normalize import log_normalize_cuda
+
+            return log_normalize_cuda(mel, frames, cfg.log_floor, NORM_EPSILON), frames
+        logmel = torch.log(torch.clamp(mel, min=cfg.log_floor)).transpose(1, 2)  # (B, F, T)
         return normalize(logmel, frames), frames
 
 

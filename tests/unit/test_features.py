@@ -242,12 +242,53 @@ def test_batches_of_nearby_lengths_share_one_fft_plan():
     assert len(shapes) == 8 and cache.size == 1
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("bins", [80, 41])
+def test_log_normalize_kernel_matches_the_reference(device, bins):
+    """rnnt.kernels.log_normalize against `normalize` of the clamped log, and both against a
+    float64 oracle: ragged lengths (the whole batch, one frame, none, a length that is not a
+    multiple of the kernel's loop), a bin at the floor throughout (exactly zero, where a float32
+    sum of its constant leaves a residue), bins not a multiple of the program's 16, zero past
+    every length, the reference's frame-major layout. The CPU case runs Triton's interpreter."""
+    pytest.importorskip("triton")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from rnnt.data.features import NORM_EPSILON
+    from rnnt.kernels.log_normalize import log_normalize_cuda
+
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([203, 150, 1, 0, 65])
+    floor = FeaturesConfig().log_floor
+    mel = torch.rand(len(lengths), 203, bins, generator=gen) ** 4 * 100  # (B, T, F) energies
+    mel[1, :, 3] = 0.0  # digital silence in one bin
+    mel[4, :, :5] = 1e-30  # below the floor
+    got = log_normalize_cuda(mel.to(device), lengths.to(device), floor, NORM_EPSILON).cpu()
+    ref = normalize(torch.log(torch.clamp(mel, min=floor)).transpose(1, 2), lengths)
+    oracle = normalize(torch.log(torch.clamp(mel.double(), min=floor)).transpose(1, 2), lengths)
+    assert got.shape == ref.shape == (len(lengths), bins, 203)
+    assert got.stride() == ref.stride()
+    assert torch.equal(got[1, 3], torch.zeros(203)) and torch.equal(got[4, :5], torch.zeros(5, 203))
+    torch.testing.assert_close(got.double(), oracle, rtol=0, atol=5e-6)
+    torch.testing.assert_close(got, ref, rtol=0, atol=5e-6)
+    for row, n in enumerate(lengths.tolist()):
+        assert torch.all(got[row, :, n:] == 0), row
+        if n > 1:  # zero mean, unit variance (less eps) over the utterance's own frames
+            torch.testing.assert_close(
+                got[row, 5:, :n].double().mean(1),
+                torch.zeros(bins - 5, dtype=torch.float64),
+                rtol=0,
+                atol=1e-6,
+            )
+
+
 @pytest.mark.gpu
 def test_feature_extractor_kernels_give_the_references_features():
-    """The whole stage on a GPU with its Triton kernels (trim, framing) and with the reference
-    functions: the same features bit for bit, dither on (from one seed each). Speed
-    perturbation is off: the resampler's kernel rounds otherwise than its float64 reference
-    (its own test bounds the difference)."""
+    """The whole stage on a GPU with its Triton kernels (trim, framing, log and normalization)
+    and with the reference functions, dither on (from one seed each): the same lengths, and the
+    same features up to the normalization's float32 sums, which the kernel takes in another
+    order (its own test bounds the difference; everything before it equals the reference bit
+    for bit). Speed perturbation is off: the resampler's kernel rounds otherwise than its
+    float64 reference (its own test bounds the difference)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     rng = np.random.default_rng(7)
@@ -260,14 +301,15 @@ def test_feature_extractor_kernels_give_the_references_features():
     extractor.use_kernels = False
     ref = extractor(pcm, lens.cuda(), torch.Generator(device="cuda").manual_seed(0))
     assert torch.equal(got[1], ref[1])
-    assert torch.equal(got[0], ref[0])
+    assert got[0].stride() == ref[0].stride()
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=5e-6)
 
 
 _HOPPER_COMPILE = r"""
 import os, subprocess, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from rnnt.kernels import frames, resample, trim
+from rnnt.kernels import frames, log_normalize, resample, trim
 
 P = "constexpr"
 KERNELS = {
@@ -294,6 +336,11 @@ KERNELS = {
     "power": (frames._power_kernel, {"spec_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
         "spec_row": "i32", "BLOCK": P}, {"BLOCK": frames.POWER_BLOCK},
         {"num_warps": 4, "enable_fp_fusion": False}),
+    "log_normalize": (log_normalize._log_normalize_kernel, {"mel_ptr": "*fp32",
+        "lengths_ptr": "*i64", "out_ptr": "*fp32", "frames": "i32", "bins": "i32",
+        "floor": "fp32", "eps": "fp32", "BINS": P, "FRAMES": P},
+        {"BINS": log_normalize.BINS_PER_PROGRAM, "FRAMES": log_normalize.FRAMES_PER_LOOP},
+        {"num_warps": log_normalize.NUM_WARPS}),
 }
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for name, (fn, signature, constexprs, options) in KERNELS.items():
@@ -327,7 +374,15 @@ def test_the_feature_stage_kernels_compile_for_hopper(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
-    assert set(lines) == {"resample", "loudest", "loud_span", "shift", "frames", "power"}
+    assert set(lines) == {
+        "resample",
+        "loudest",
+        "loud_span",
+        "shift",
+        "frames",
+        "power",
+        "log_normalize",
+    }
     for name, usage in lines.items():
         stack = int(usage.split("STACK:")[1].split()[0])
         assert stack <= 64, (name, usage)
