@@ -318,8 +318,9 @@ class FeatureExtractor(nn.Module):
         generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        # int16 rows are PCM samples (rnnt.data.features.read_audio(pcm16=True))
-        wave = wave.float() * (1.0 / 32768) if wave.dtype == torch.int16 else wave.float()
+        # int16 rows are PCM samples (rnnt.data.features.read_audio(pcm16=True)), converted and
+        # scaled in one pass (the product of int16 and a float is float32, exactly)
+        wave = wave * (1.0 / 32768) if wave.dtype == torch.int16 else wave.float()
         lengths = lengths.to(device=wave.device, dtype=torch.int64)
         kernels = self.use_kernels
         if self.speed_perturb:
