@@ -9,8 +9,9 @@ the window at i0 + j sums to sum(lo^2) - prefix(lo^2)[j] + prefix(hi^2)[j], wher
 exclusive. The sums are float64 over at most 2W terms, so a quiet window next to a loud one
 keeps its precision, as in the reference (float32 would lose it).
 
-Two passes read the batch: the first finds each row's loudest window, the second the first and
-last window within the cutoff of it. A third writes the kept samples shifted to the row's start.
+Two passes read the batch: the first finds each row's loudest window (and each block's), the
+second the first and last window within the cutoff of it, summing only the first and last block
+that holds such a window. A third writes the kept samples shifted to the row's start.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 NUM_WARPS = 8
+LOUD_BLOCK_SCAN = 128  # block maxima read at a time by the second pass's programs
 
 
 @triton.jit
@@ -52,24 +54,46 @@ def _loudest_kernel(
     WINDOW: tl.constexpr,
 ):
     row, block, _, sums, valid = _block_window_sums(wave_ptr, lengths_ptr, width, WINDOW)
-    tl.store(block_max_ptr + row * n_blocks + block, tl.max(tl.where(valid, sums, 0.0), 0))
+    # -1 where no window starts inside the row: no such block counts as loud in the second pass
+    tl.store(block_max_ptr + row * n_blocks + block, tl.max(tl.where(valid, sums, -1.0), 0))
 
 
 @triton.jit(do_not_specialize=["width", "n_blocks"])
 def _loud_span_kernel(
     wave_ptr,  # (B, width) float32
     lengths_ptr,  # (B,) int64
+    block_max_ptr,  # (B, n_blocks) float64: from _loudest_kernel
     threshold_ptr,  # (B,) float64: the window sum at which a window is loud
     first_ptr,  # (B, n_blocks) int64: the block's first loud start, or `width`
     last_ptr,  # (B, n_blocks) int64: the block's last loud start, or -1
     width,
     n_blocks,
     WINDOW: tl.constexpr,
+    SCAN: tl.constexpr,
 ):
-    row, block, pos, sums, valid = _block_window_sums(wave_ptr, lengths_ptr, width, WINDOW)
-    loud = valid & (sums >= tl.load(threshold_ptr + row))
-    tl.store(first_ptr + row * n_blocks + block, tl.min(tl.where(loud, pos, width), 0))
-    tl.store(last_ptr + row * n_blocks + block, tl.max(tl.where(loud, pos, -1), 0))
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    threshold = tl.load(threshold_ptr + row)
+    # Only the row's first and last loud block can hold its first and last loud window, and a
+    # block is loud where its largest window sum reaches the threshold: the other programs
+    # skip the sums (most of a row's blocks), and the result is the same.
+    first_block = n_blocks
+    last_block = -1
+    for start in range(0, n_blocks, SCAN):
+        index = start + tl.arange(0, SCAN)
+        maxima = tl.load(block_max_ptr + row * n_blocks + index, mask=index < n_blocks, other=-1.0)
+        loud_block = maxima >= threshold
+        first_block = tl.minimum(first_block, tl.min(tl.where(loud_block, index, n_blocks), 0))
+        last_block = tl.maximum(last_block, tl.max(tl.where(loud_block, index, -1), 0))
+    first = tl.full((), 0, tl.int64) + width
+    last = tl.full((), -1, tl.int64)
+    if (block == first_block) | (block == last_block):
+        _, _, pos, sums, valid = _block_window_sums(wave_ptr, lengths_ptr, width, WINDOW)
+        loud = valid & (sums >= threshold)
+        first = tl.min(tl.where(loud, pos, width), 0)
+        last = tl.max(tl.where(loud, pos, -1), 0)
+    tl.store(first_ptr + row * n_blocks + block, first)
+    tl.store(last_ptr + row * n_blocks + block, last)
 
 
 @triton.jit(do_not_specialize=["width"])
@@ -110,7 +134,17 @@ def trim_silence_cuda(
     first = torch.empty(batch, n_blocks, dtype=torch.int64, device=wave.device)
     last = torch.empty_like(first)
     _loud_span_kernel[grid](
-        wave, lengths, threshold, first, last, width, n_blocks, WINDOW=window, num_warps=NUM_WARPS
+        wave,
+        lengths,
+        block_max,
+        threshold,
+        first,
+        last,
+        width,
+        n_blocks,
+        WINDOW=window,
+        SCAN=LOUD_BLOCK_SCAN,
+        num_warps=NUM_WARPS,
     )
     short = lengths < window
     begin = torch.where(short, 0, first.amin(dim=1))

@@ -120,17 +120,23 @@ def test_trim_matches_window_loop_oracle():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_trim_kernel_equals_the_reference(device):
+@pytest.mark.parametrize("scan", [None, 4], ids=["default_scan", "scan_of_4"])
+def test_trim_kernel_equals_the_reference(device, scan, monkeypatch):
     """rnnt.kernels.trim against the float64 cumulative sums of `trim_silence` and the window
     loop: speech between silences, a quiet row with a click, a fade through the cutoff, rows
     shorter than, equal to and just over the window, a silent row, two bursts with whole blocks
     of starts of silence between them, noise in one row's padding (which no window may read),
-    and fades right after loud speech. The CPU case runs Triton's
-    interpreter."""
+    and fades right after loud speech. The second pass reads the row's block maxima a scan at a
+    time (128, more blocks than these rows have, or 4, so that it takes several scans, as a
+    16.7 s utterance sped up does). The CPU case runs Triton's interpreter."""
     pytest.importorskip("triton")
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    from rnnt.kernels import trim
     from rnnt.kernels.trim import trim_silence_cuda
+
+    if scan is not None:
+        monkeypatch.setattr(trim, "LOUD_BLOCK_SCAN", scan)
 
     rng = np.random.default_rng(3)
     fade = _speechlike(rng, 12000) * np.logspace(-5, 0, 12000).astype(np.float32)
@@ -322,8 +328,9 @@ KERNELS = {
         "block_max_ptr": "*fp64", "width": "i32", "n_blocks": "i32", "WINDOW": P},
         {"WINDOW": 2048}, {"num_warps": trim.NUM_WARPS}),
     "loud_span": (trim._loud_span_kernel, {"wave_ptr": "*fp32", "lengths_ptr": "*i64",
-        "threshold_ptr": "*fp64", "first_ptr": "*i64", "last_ptr": "*i64", "width": "i32",
-        "n_blocks": "i32", "WINDOW": P}, {"WINDOW": 2048}, {"num_warps": trim.NUM_WARPS}),
+        "block_max_ptr": "*fp64", "threshold_ptr": "*fp64", "first_ptr": "*i64",
+        "last_ptr": "*i64", "width": "i32", "n_blocks": "i32", "WINDOW": P, "SCAN": P},
+        {"WINDOW": 2048, "SCAN": trim.LOUD_BLOCK_SCAN}, {"num_warps": trim.NUM_WARPS}),
     "shift": (trim._shift_kernel, {"wave_ptr": "*fp32", "begin_ptr": "*i64",
         "new_lengths_ptr": "*i64", "out_ptr": "*fp32", "width": "i32", "BLOCK": P},
         {"BLOCK": 1024}, {"num_warps": 4}),
