@@ -322,23 +322,38 @@ class FeatureExtractor(nn.Module):
         # scaled in one pass (the product of int16 and a float is float32, exactly)
         wave = wave * (1.0 / 32768) if wave.dtype == torch.int16 else wave.float()
         lengths = lengths.to(device=wave.device, dtype=torch.int64)
-        kernels = self.use_kernels
+        kernels = self.use_kernels and wave.is_cuda
         if self.speed_perturb:
             speeds = draw_speeds(cfg, wave.shape[0], generator)
             ratio_range = (1.0 / cfg.speed_perturbation_max, 1.0 / cfg.speed_perturbation_min)
             wave, lengths = resample(wave, lengths, 1.0 / speeds, ratio_range, kernels)
-        wave, lengths = trim_silence(wave, lengths, cfg.silence_threshold_db, use_kernel=kernels)
+        n_fft_pow2 = cfg.n_fft & (cfg.n_fft - 1) == 0  # the framing kernel's tile width
+        framing_kernel = kernels and n_fft_pow2
+        if framing_kernel:
+            from rnnt.kernels.frames import power_spectrum_cuda
+            from rnnt.kernels.trim import loud_regions_cuda
+
+            # the framing reads each row's kept samples where the trim found them: no copy
+            begin, lengths = loud_regions_cuda(wave, lengths, cfg.silence_threshold_db, TRIM_WINDOW)
+        else:
+            wave, lengths = trim_silence(
+                wave, lengths, cfg.silence_threshold_db, use_kernel=kernels
+            )
         noise = None
         if cfg.dither > 0:
             device = generator.device if generator is not None else wave.device
             noise = torch.randn(wave.shape, generator=generator, device=device).to(wave.device)
-        n_fft_pow2 = cfg.n_fft & (cfg.n_fft - 1) == 0  # the framing kernel's tile width
-        kernels = kernels and wave.is_cuda and wave.dtype == torch.float32
-        if kernels and n_fft_pow2:
-            from rnnt.kernels.frames import power_spectrum_cuda
-
+        if framing_kernel:
             power, frames = power_spectrum_cuda(
-                wave, lengths, noise, cfg.dither, cfg.preemph, self.window, self.hop, cfg.n_fft
+                wave,
+                lengths,
+                noise,
+                cfg.dither,
+                cfg.preemph,
+                self.window,
+                self.hop,
+                cfg.n_fft,
+                begin=begin,
             )
         else:
             _, valid = _positions(lengths, wave.shape[1])

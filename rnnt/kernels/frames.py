@@ -7,6 +7,8 @@ tensor, which the FFT pads again to (B, T, n_fft), and squares the spectrum's re
 parts in passes of their own: some fifteen kernels and several copies of the batch. Here one
 kernel writes each frame, windowed and zero-padded to n_fft, straight from the trimmed samples
 (and the dither's noise), the FFT runs on it as before, and one kernel squares the spectrum.
+The samples can stay where the trim found them (`begin`): the feature stage then skips the
+trim's copy of the batch.
 
 Every sample is computed as the reference computes it: the same operations in the same order,
 in float32, with the compiler's fusion of a multiply and an add into one rounding turned off.
@@ -33,8 +35,9 @@ FFT_FRAME_BUCKET = 64
 
 @triton.jit(do_not_specialize=["width", "t_rows"])
 def _frames_kernel(
-    wave_ptr,  # (B, width) float32: trimmed samples, zero past each length
+    wave_ptr,  # (B, width) float32: each row's samples from its begin on (see below)
     noise_ptr,  # (B, width) float32: the dither's N(0, 1) draws (unused without dither)
+    begin_ptr,  # (B,) int64: where each row's samples start (unused without HAS_BEGIN: at 0)
     lengths_ptr,  # (B,) int64
     window_ptr,  # (WIN,) float32
     out_ptr,  # (B, t_rows, N_FFT) float32
@@ -47,6 +50,7 @@ def _frames_kernel(
     N_FFT: tl.constexpr,
     FRAMES: tl.constexpr,
     HAS_DITHER: tl.constexpr,
+    HAS_BEGIN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1).to(tl.int64) * FRAMES + tl.arange(0, FRAMES)[:, None]
@@ -62,8 +66,11 @@ def _frames_kernel(
     inside = (k < WIN) & (t <= length // HOP) & (q < length)
     has_prev = inside & (q >= 1)
     base = row * width
-    x = tl.load(wave_ptr + base + q, mask=inside, other=0.0)
-    x_prev = tl.load(wave_ptr + base + q - 1, mask=has_prev, other=0.0)
+    samples = wave_ptr + base + q
+    if HAS_BEGIN:
+        samples += tl.load(begin_ptr + row)
+    x = tl.load(samples, mask=inside, other=0.0)
+    x_prev = tl.load(samples - 1, mask=has_prev, other=0.0)
     if HAS_DITHER:
         x = x + dither * tl.load(noise_ptr + base + q, mask=inside, other=0.0)
         x_prev = x_prev + dither * tl.load(noise_ptr + base + q - 1, mask=has_prev, other=0.0)
@@ -95,11 +102,14 @@ def power_spectrum_cuda(
     window: torch.Tensor,
     hop: int,
     n_fft: int,
+    begin: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """wave (B, S) float32 on a GPU, zero past lengths (B,) int64; noise (B, S) or None ->
     (power (B, T, n_fft // 2 + 1) float32, frames (B,) int64), T = 1 + S // hop: the power
     spectrum of `wave + dither * noise` after pre-emphasis, as FeatureExtractor computes it with
-    `preemphasis` and `power_spectrum`; sync-free."""
+    `preemphasis` and `power_spectrum`; sync-free. With `begin` (B,) int64, row b's samples are
+    wave[b, begin[b] :][: lengths[b]] (a trimmed region read where it lies, rather than
+    shifted to the start first), and the noise's stay at noise[b, : lengths[b]]."""
     wave = wave.contiguous()
     lengths = lengths.contiguous()
     batch, width = wave.shape
@@ -112,6 +122,7 @@ def power_spectrum_cuda(
     _frames_kernel[(batch, triton.cdiv(t_fft, FRAMES_PER_PROGRAM))](
         wave,
         noise.contiguous() if noise is not None else wave,
+        begin.contiguous() if begin is not None else lengths,
         lengths,
         window.contiguous(),
         frames,
@@ -124,6 +135,7 @@ def power_spectrum_cuda(
         N_FFT=n_fft,
         FRAMES=FRAMES_PER_PROGRAM,
         HAS_DITHER=noise is not None,
+        HAS_BEGIN=begin is not None,
         num_warps=8,
         enable_fp_fusion=False,  # one rounding per operation, as torch's kernels round
     )

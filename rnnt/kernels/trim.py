@@ -11,7 +11,8 @@ keeps its precision, as in the reference (float32 would lose it).
 
 Two passes read the batch: the first finds each row's loudest window (and each block's), the
 second the first and last window within the cutoff of it, summing only the first and last block
-that holds such a window. A third writes the kept samples shifted to the row's start.
+that holds such a window. A third writes the kept samples shifted to the row's start; the
+feature stage skips it (`loud_regions_cuda`), and its framing reads them where they are.
 """
 
 from __future__ import annotations
@@ -120,6 +121,23 @@ def trim_silence_cuda(
     start, (B, S) float32 zero past them, and their lengths; `window` a power of two. Same
     contract, and the same regions, as `rnnt.data.features.trim_silence`; sync-free."""
     wave = wave.contiguous()
+    batch, width = wave.shape
+    begin, new_lengths = loud_regions_cuda(wave, lengths, cutoff_db, window)
+    out = torch.empty_like(wave)
+    shift_block = 1024
+    _shift_kernel[(batch, triton.cdiv(width, shift_block))](
+        wave, begin, new_lengths, out, width, BLOCK=shift_block, num_warps=4
+    )
+    return out, new_lengths
+
+
+def loud_regions_cuda(
+    wave: torch.Tensor, lengths: torch.Tensor, cutoff_db: float, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The regions `trim_silence_cuda` keeps, without the copy: (begin, lengths), (B,) int64
+    each, for a consumer that reads `wave[b, begin[b] :][: lengths[b]]` where it is (the
+    framing kernel); sync-free."""
+    wave = wave.contiguous()
     lengths = lengths.contiguous()
     batch, width = wave.shape
     n_blocks = max(1, triton.cdiv(width - window + 1, window))
@@ -149,10 +167,4 @@ def trim_silence_cuda(
     short = lengths < window
     begin = torch.where(short, 0, first.amin(dim=1))
     end = torch.where(short, lengths, torch.minimum(last.amax(dim=1) + window, lengths))
-    new_lengths = end - begin
-    out = torch.empty_like(wave)
-    shift_block = 1024
-    _shift_kernel[(batch, triton.cdiv(width, shift_block))](
-        wave, begin, new_lengths, out, width, BLOCK=shift_block, num_warps=4
-    )
-    return out, new_lengths
+    return begin, end - begin

@@ -182,11 +182,14 @@ def test_trim_kernel_equals_the_reference(device, scan, monkeypatch):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dither,win", [(0.0, 320), (1e-5, 320), (1e-5, 400)])
-def test_framing_kernel_gives_the_references_power_bit_for_bit(device, dither, win):
+@pytest.mark.parametrize("in_place", [False, True], ids=["shifted", "in_place"])
+def test_framing_kernel_gives_the_references_power_bit_for_bit(device, dither, win, in_place):
     """rnnt.kernels.frames (dither, pre-emphasis, reflect padding, window, FFT, |X|^2) against
     the reference steps of FeatureExtractor: the same float32 power for every real frame, on
     ragged rows down to shorter than half a window, and finite values past them; the baseline's
-    20 ms window and a 25 ms one. The CPU case runs Triton's interpreter."""
+    20 ms window and a 25 ms one. In place: each row's samples start at its own `begin`, with
+    loud noise around them that no frame may read, as the trim leaves an utterance (the noise's
+    draws stay at the row's start). The CPU case runs Triton's interpreter."""
     pytest.importorskip("triton")
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -204,8 +207,15 @@ def test_framing_kernel_gives_the_references_power_bit_for_bit(device, dither, w
     x = wave + dither * noise * valid if dither else wave
     ref, ref_frames = power_spectrum(preemphasis(x, coeff) * valid, lengths, window, hop, n_fft)
     to = {"device": device}
+    stored, begin = wave, None
+    if in_place:
+        begin = torch.tensor([0, 57, 3000, 10000, 9, 15000, 16000, 5])
+        stored = torch.randn(wave.shape, generator=gen) * 30
+        for row, (b, n) in enumerate(zip(begin.tolist(), lengths.tolist(), strict=True)):
+            stored[row, b : b + n] = wave[row, :n]
+        begin = begin.to(**to)
     got, frames = power_spectrum_cuda(
-        wave.to(**to),
+        stored.to(**to),
         lengths.to(**to),
         noise.to(**to) if dither else None,
         dither,
@@ -213,6 +223,7 @@ def test_framing_kernel_gives_the_references_power_bit_for_bit(device, dither, w
         window.to(**to),
         hop,
         n_fft,
+        begin=begin,
     )
     if device == "cuda":  # the reference's FFT on the GPU, for a like-for-like comparison
         ref, _ = power_spectrum(
@@ -335,11 +346,11 @@ KERNELS = {
         "new_lengths_ptr": "*i64", "out_ptr": "*fp32", "width": "i32", "BLOCK": P},
         {"BLOCK": 1024}, {"num_warps": 4}),
     "frames": (frames._frames_kernel, {"wave_ptr": "*fp32", "noise_ptr": "*fp32",
-        "lengths_ptr": "*i64", "window_ptr": "*fp32", "out_ptr": "*fp32", "width": "i32",
-        "t_rows": "i32", "dither": "fp32", "coeff": "fp32", "HOP": P, "WIN": P, "N_FFT": P,
-        "FRAMES": P, "HAS_DITHER": P}, {"HOP": 160, "WIN": 320, "N_FFT": 512,
-        "FRAMES": frames.FRAMES_PER_PROGRAM, "HAS_DITHER": True},
-        {"num_warps": 8, "enable_fp_fusion": False}),
+        "begin_ptr": "*i64", "lengths_ptr": "*i64", "window_ptr": "*fp32", "out_ptr": "*fp32",
+        "width": "i32", "t_rows": "i32", "dither": "fp32", "coeff": "fp32", "HOP": P, "WIN": P,
+        "N_FFT": P, "FRAMES": P, "HAS_DITHER": P, "HAS_BEGIN": P}, {"HOP": 160, "WIN": 320,
+        "N_FFT": 512, "FRAMES": frames.FRAMES_PER_PROGRAM, "HAS_DITHER": True,
+        "HAS_BEGIN": True}, {"num_warps": 8, "enable_fp_fusion": False}),
     "power": (frames._power_kernel, {"spec_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
         "spec_row": "i32", "BLOCK": P}, {"BLOCK": frames.POWER_BLOCK},
         {"num_warps": 4, "enable_fp_fusion": False}),
