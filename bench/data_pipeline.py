@@ -17,7 +17,8 @@ worker count asked for:
   forkserver, which later loaders share). With --epoch-pause S, also the next epoch's first
   batch after the rest of the epoch and S seconds standing in for the evaluation.
 - cores: CPU time of this process and every process under it (the loader's workers, DALI's
-  threads) per second of that wall clock, read from /proc.
+  threads) per second of that wall clock, read from /proc (the threads' nanosecond counts
+  where the kernel keeps them; a thread that ends inside the window takes its time along).
 - GPU ms/batch (torch backend on a GPU): the batched feature stage plus the device
   transform, replayed on the same raw batches and timed with CUDA events. What the stage
   steals from a training step when it runs beside it is the trainer's business
@@ -63,17 +64,41 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def cpu_seconds() -> float:
-    """CPU time (user + system) of this process and every live process under it."""
-    ticks = os.sysconf("SC_CLK_TCK")
+def _threads_cpu_ns(pid: int) -> int | None:
+    """The CPU time of a process's live threads in nanoseconds (the scheduler's own count),
+    or None where the kernel does not keep it."""
     total = 0
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0  # ended meanwhile
+    for tid in threads:
+        thread = Path(f"/proc/{pid}/task/{tid}")
+        try:
+            total += int((thread / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            if thread.exists():  # the thread lives: this kernel keeps no such count
+                return None
+    return total
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and every live process under it: from the
+    scheduler's nanosecond counts of their threads, or else from /proc/PID/stat, whose clock
+    ticks (10 ms) would read a short window's time as nothing."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
     for pid in _descendants(os.getpid()):
+        ns = _threads_cpu_ns(pid)
+        if ns is not None:
+            total += ns / 1e9
+            continue
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / ticks
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
 
 
 def bench_config(

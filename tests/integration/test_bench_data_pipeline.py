@@ -4,6 +4,9 @@ digits corpus)."""
 import json
 import subprocess
 import sys
+import time
+
+from bench.data_pipeline import cpu_seconds
 
 
 def test_bench_times_the_torch_loader_on_a_manifest(repo_root, corpus, tmp_path):
@@ -45,3 +48,14 @@ def test_bench_times_the_torch_loader_on_a_manifest(repo_root, corpus, tmp_path)
         # read ahead during the pause, unlike the first batch (which waited for the workers)
         assert 0 <= row["next_epoch_first_batch_s"] < row["first_batch_s"] or not row["threads"]
         assert row["gpu_ms_per_batch"] is None  # the feature stage ran in the CPU workers
+
+
+def test_cores_count_a_few_milliseconds_of_work():
+    """The CPU time behind `cores` resolves a window shorter than the 10 ms clock tick of
+    /proc/PID/stat (a short smoke run once read as 0.0 cores): 5 ms of work in this thread,
+    against the thread's own CPU clock."""
+    before, thread_before = cpu_seconds(), time.thread_time()
+    while time.thread_time() - thread_before < 0.005:
+        pass
+    spent = time.thread_time() - thread_before
+    assert abs((cpu_seconds() - before) - spent) < 0.003
