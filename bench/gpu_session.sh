@@ -318,7 +318,8 @@ for line in open(sys.argv[1]):
         [ -f "$f" ] && gzip -c "$f" > "$OUT/realstep_${data}_$(basename "$f").gz"
       done
       # the feature stage's bursts on its own stream: span against busy time (a long wait
-      # behind the step's kernels shows as a span far beyond the busy time)
+      # behind the step's kernels shows as a span far beyond the busy time), and the time it
+      # ran alone (the step's stream waiting for it)
       for f in "$work/step_$data"/profile/*.json; do
         [ -f "$f" ] && python3 bench/trace_streams.py "$f" > "$OUT/realstep_${data}_streams.txt"
       done

@@ -8,8 +8,8 @@ where no GPU ran). The window opens before step A's batch is fetched, so the loa
 device work shows beside the steps; a step's graph replays appear as graph launches.
 With `training.profile_host: false` a GPU run records its kernels, copies and memsets alone.
 Recording every host operator slows the host until the GPU waits for it, and the trace then
-shows a schedule the unprofiled run does not have: on an H100, five real-audio steps took
-640 ms with the host's operators recorded and 605 ms without.
+shows a schedule the unprofiled run does not have (measured on the real-audio step:
+docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

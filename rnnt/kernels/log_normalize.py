@@ -3,10 +3,10 @@
 
 The reference clamps the mel energies to the floor, takes their log, and normalizes each
 utterance's mel bin over its own frames with `normalize`: about ten element-wise and reduction
-kernels, each reading or writing the whole (B, F, T) batch. In the trainer that is about 0.8 ms
-of a batch of 192 x 16.7 s on an H100, and the stage's SM time adds to the step's in full
-(docs/PERFORMANCE.md). Here one program per utterance and group of bins reads its energies three
-times (the sum, the centred sum of squares, the output) and writes the features once.
+kernels, each reading or writing the whole (B, F, T) batch, and the stage's SM time adds to the
+training step's in full (docs/PERFORMANCE.md). Here one program per utterance and group of bins
+reads its energies three times (the sum, the centred sum of squares, the output; the log is
+taken again each time rather than stored) and writes the features once.
 
 The sums run in another order than torch's reductions, so the features differ from the
 reference's by float32 rounding (about 1e-6); the clamp, the log and the formula are the

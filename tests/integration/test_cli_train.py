@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.trace_streams import summarize
 from rnnt.cli.train import main
 from rnnt.run_log import METRICS_FILE, read_metrics
 
@@ -398,6 +399,34 @@ def test_steps_are_profiled_where_asked(capsys, tiny_sets, tmp_path, corpus, dev
     if device == "cuda":
         assert "CUDA total" in table
         assert any(e.get("cat") == "kernel" for e in events)
+
+
+@pytest.mark.gpu
+def test_a_gpu_window_without_the_host_records_only_device_work(
+    capsys, tiny_sets, tmp_path, corpus
+):
+    """training.profile_host=false on a GPU: the trace holds the steps' kernels and no host
+    operator, and bench/trace_streams.py reads it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("".join((corpus["root"] / "dev.jsonl").read_text().splitlines(True)[:2]))
+    out = tmp_path / "out"
+    sets = tiny_sets(
+        out,
+        f"data.val_manifests=[{dev}]",
+        "data.device=gpu",
+        "training.target_wer=0",
+        "training.profile_from_step=2",
+        "training.profile_steps=2",
+        "training.profile_host=false",
+    )
+    assert main([str(TINY), "--device", "cuda", *sets]) == 0
+    trace = json.loads((out / "profile" / "rank0_steps2-3.json").read_text())
+    categories = {e.get("cat") for e in trace["traceEvents"]}
+    assert "kernel" in categories and "cpu_op" not in categories
+    summary = summarize(trace)
+    assert summary["window_ms"] > 0 and summary["streams"][0]["busy_ms"] > 0
 
 
 def test_a_profile_window_needs_steps(capsys, tiny_sets, tmp_path):
