@@ -124,6 +124,16 @@ def num_frames(lengths: torch.Tensor, hop: int) -> torch.Tensor:
     return lengths // hop + 1
 
 
+def frames_bound(lengths: torch.Tensor, longest_ratio: float, hop: int) -> torch.Tensor:
+    """The most frames that utterances of `lengths` (B,) samples can have after `resample` at a
+    ratio of at most `longest_ratio` (1.0: none) and the silence trim, from the host's lengths.
+
+    `resample` makes ceil(length * ratio) samples in float64, which no ratio below the largest
+    can round past, and the trim only shortens."""
+    longest = torch.ceil(lengths.to(torch.float64) * longest_ratio).to(torch.int64)
+    return num_frames(longest, hop)
+
+
 def _positions(lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(1, width) sample positions and the (B, width) mask of positions < lengths."""
     pos = torch.arange(width, device=lengths.device)[None]
@@ -287,6 +297,9 @@ class FeatureExtractor(nn.Module):
 
     forward(wave (B, S) float32, lengths (B,) int64, generator) -> (feats (B, F, T), lens (B,))
     with T = 1 + S' // hop where S' = S, or ceil(S / speed_perturbation_min) when perturbing.
+    Lengths on the host (the loader has them there) also bound each utterance's frames without
+    a sync, so that the GPU kernels frame, transform and project only the frames that can be
+    real (`rnnt.kernels.frames.frame_power_packed`) rather than the batch's longest for all.
     `speed_perturb` (default: `train`) resamples every utterance at a random speed first; the
     torch loader turns it off when perturbation already happened on another device.
     `generator` drives speed and dither (a CPU torch.Generator for determinism; None = global).
@@ -321,16 +334,20 @@ class FeatureExtractor(nn.Module):
         # int16 rows are PCM samples (rnnt.data.features.read_audio(pcm16=True)), converted and
         # scaled in one pass (the product of int16 and a float is float32, exactly)
         wave = wave * (1.0 / 32768) if wave.dtype == torch.int16 else wave.float()
-        lengths = lengths.to(device=wave.device, dtype=torch.int64)
+        host_lengths = lengths.to(torch.int64) if lengths.device.type == "cpu" else None
+        lengths = lengths.to(device=wave.device, dtype=torch.int64, non_blocking=True)
         kernels = self.use_kernels and wave.is_cuda
+        longest_ratio = 1.0  # of the output's length to the input's, at most
         if self.speed_perturb:
             speeds = draw_speeds(cfg, wave.shape[0], generator)
             ratio_range = (1.0 / cfg.speed_perturbation_max, 1.0 / cfg.speed_perturbation_min)
             wave, lengths = resample(wave, lengths, 1.0 / speeds, ratio_range, kernels)
+            longest_ratio = ratio_range[1]
         n_fft_pow2 = cfg.n_fft & (cfg.n_fft - 1) == 0  # the framing kernel's tile width
         framing_kernel = kernels and n_fft_pow2
         if framing_kernel:
-            from rnnt.kernels.frames import power_spectrum_cuda
+            from rnnt.kernels.frames import frame_power_packed
+            from rnnt.kernels.log_normalize import log_normalize_cuda
             from rnnt.kernels.trim import loud_regions_cuda
 
             # the framing reads each row's kept samples where the trim found them: no copy
@@ -344,7 +361,11 @@ class FeatureExtractor(nn.Module):
             device = generator.device if generator is not None else wave.device
             noise = torch.randn(wave.shape, generator=generator, device=device).to(wave.device)
         if framing_kernel:
-            power, frames = power_spectrum_cuda(
+            t_max = wave.shape[1] // self.hop + 1
+            rows = torch.full((wave.shape[0],), t_max, dtype=torch.int64)
+            if host_lengths is not None:
+                rows = torch.minimum(frames_bound(host_lengths, longest_ratio, self.hop), rows)
+            power, frames, starts = frame_power_packed(
                 wave,
                 lengths,
                 noise,
@@ -353,14 +374,19 @@ class FeatureExtractor(nn.Module):
                 self.window,
                 self.hop,
                 cfg.n_fft,
+                rows,
                 begin=begin,
             )
-        else:
-            _, valid = _positions(lengths, wave.shape[1])
-            if noise is not None:
-                wave = wave + cfg.dither * noise * valid
-            wave = preemphasis(wave, cfg.preemph) * valid
-            power, frames = power_spectrum(wave, lengths, self.window, self.hop, cfg.n_fft)
+            mel = torch.matmul(power, self.mel.T)  # (rows, F)
+            features = log_normalize_cuda(
+                mel, frames, cfg.log_floor, NORM_EPSILON, starts=starts, frames=t_max
+            )
+            return features, frames
+        _, valid = _positions(lengths, wave.shape[1])
+        if noise is not None:
+            wave = wave + cfg.dither * noise * valid
+        wave = preemphasis(wave, cfg.preemph) * valid
+        power, frames = power_spectrum(wave, lengths, self.window, self.hop, cfg.n_fft)
         mel = torch.matmul(power, self.mel.T)  # (B, T, F)
         if kernels:
             from rnnt.kernels.log_normalize import log_normalize_cuda

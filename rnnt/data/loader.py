@@ -453,7 +453,7 @@ class TorchFeatureLoader:
         self, padded: torch.Tensor, lens: torch.Tensor, batch_seed: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         padded = padded.to(self.device, non_blocking=True)
-        lens = lens.to(self.device, non_blocking=True)
+        # the lengths stay on the host: the extractor bounds each utterance's frames with them
         generator = torch.Generator(device=self.device).manual_seed(batch_seed)
         return self.extractor(padded, lens, generator)
 

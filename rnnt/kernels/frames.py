@@ -16,6 +16,11 @@ So the power of every real frame equals the reference's bit for bit (the FFT get
 input). Frames past an utterance's `num_frames` are zero here (the reference leaves finite
 values there that mean nothing), which saves their reads: random batches are about a third
 padding.
+
+The frames can also be packed (`frame_power_packed`): each utterance gets only as many rows as
+its host-side bound on its frames, one after the other, instead of the batch's longest. The
+FFT, the power and the mel product then skip most of the padding as well; the feature stage
+bounds each utterance's frames from its length before resampling, which the host has.
 """
 
 from __future__ import annotations
@@ -33,16 +38,16 @@ POWER_BLOCK = 1024
 FFT_FRAME_BUCKET = 64
 
 
-@triton.jit(do_not_specialize=["width", "t_rows"])
+@triton.jit(do_not_specialize=["width"])
 def _frames_kernel(
     wave_ptr,  # (B, width) float32: each row's samples from its begin on (see below)
     noise_ptr,  # (B, width) float32: the dither's N(0, 1) draws (unused without dither)
     begin_ptr,  # (B,) int64: where each row's samples start (unused without HAS_BEGIN: at 0)
     lengths_ptr,  # (B,) int64
+    layout_ptr,  # (2, B) int64: each row's first output row, then its number of output rows
     window_ptr,  # (WIN,) float32
-    out_ptr,  # (B, t_rows, N_FFT) float32
+    out_ptr,  # (rows, N_FFT) float32
     width,
-    t_rows,
     dither,
     coeff,
     HOP: tl.constexpr,
@@ -53,9 +58,12 @@ def _frames_kernel(
     HAS_BEGIN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    batch = tl.num_programs(0).to(tl.int64)
     t = tl.program_id(1).to(tl.int64) * FRAMES + tl.arange(0, FRAMES)[:, None]
     k = tl.arange(0, N_FFT)[None, :]
     length = tl.load(lengths_ptr + row)
+    out_start = tl.load(layout_ptr + row)
+    out_rows = tl.load(layout_ptr + batch + row)
     last = tl.maximum(length - 1, 0)
     # the sample frame t reads at k, mirrored at the start and past the utterance's last sample
     # (numpy "reflect"), as power_spectrum's padded copy holds it
@@ -77,20 +85,95 @@ def _frames_kernel(
     y = tl.where(q >= 1, x - coeff * x_prev, x)
     window = tl.load(window_ptr + k, mask=k < WIN, other=0.0)
     frame = tl.where(inside, y * window, 0.0)
-    tl.store(out_ptr + (row * t_rows + t) * N_FFT + k, frame, mask=t < t_rows)
+    tl.store(out_ptr + (out_start + t) * N_FFT + k, frame, mask=t < out_rows)
 
 
-@triton.jit(do_not_specialize=["n", "spec_row"])
-def _power_kernel(spec_ptr, out_ptr, n, spec_row, BLOCK: tl.constexpr):
-    """|X|^2 of the first n complex64 values (interleaved real, imaginary) of each batch row,
-    `spec_row` complex values apart, into n float32 a row."""
-    row = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+@triton.jit(do_not_specialize=["n"])
+def _power_kernel(spec_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """|X|^2 of the first n complex64 values (interleaved real, imaginary) into n float32; the
+    blocks along the grid's first axis, which has room for a whole packed batch's."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
-    src = spec_ptr + 2 * (row * spec_row + i)
-    re = tl.load(src, mask=inside, other=0.0)
-    im = tl.load(src + 1, mask=inside, other=0.0)
-    tl.store(out_ptr + row * n + i, re * re + im * im, mask=inside)
+    re = tl.load(spec_ptr + 2 * i, mask=inside, other=0.0)
+    im = tl.load(spec_ptr + 2 * i + 1, mask=inside, other=0.0)
+    tl.store(out_ptr + i, re * re + im * im, mask=inside)
+
+
+def frame_power_packed(
+    wave: torch.Tensor,
+    lengths: torch.Tensor,
+    noise: torch.Tensor | None,
+    dither: float,
+    preemph: float,
+    window: torch.Tensor,
+    hop: int,
+    n_fft: int,
+    rows: torch.Tensor,
+    begin: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The power spectrum of `power_spectrum_cuda`, packed: utterance b's frames in rows
+    starts[b] .. starts[b] + rows[b] - 1 of one (sum(rows), n_fft // 2 + 1) float32 tensor.
+
+    rows (B,) int64 on the host: the rows each utterance gets, at least its number of frames
+    (1 + lengths // hop; a row past them is zero). Returns the power, the frames (B,) int64 and
+    the starts (B,) int64, both on the GPU; sync-free. The FFT runs over the total rounded up
+    to FFT_FRAME_BUCKET frames per utterance, so that batches of nearby totals share a plan."""
+    wave = wave.contiguous()
+    lengths = lengths.contiguous()
+    batch, width = wave.shape
+    win = window.numel()
+    if n_fft & (n_fft - 1) or win > n_fft:
+        raise ValueError(f"n_fft {n_fft} must be a power of two of at least the window's {win}")
+    rows = rows.to(torch.int64).cpu()
+    if rows.shape != (batch,):
+        raise ValueError(f"rows has shape {tuple(rows.shape)}, the batch {batch}")
+    total = int(rows.sum())
+    bucket = FFT_FRAME_BUCKET * batch
+    fft_rows = max(triton.cdiv(total, bucket), 1) * bucket
+    starts = torch.cumsum(rows, 0) - rows
+    # one upload of both, from pinned memory: the copy queues behind this stream's work and
+    # the host does not wait for it
+    layout = torch.stack([starts, rows])
+    if wave.is_cuda:
+        layout = layout.pin_memory().to(wave.device, non_blocking=True)
+    frames = torch.empty(fft_rows, n_fft, dtype=torch.float32, device=wave.device)
+    frames[total:].zero_()  # the bucket's rows past the utterances': transformed, never read
+    _frames_kernel[(batch, triton.cdiv(max(int(rows.max()), 1), FRAMES_PER_PROGRAM))](
+        wave,
+        noise.contiguous() if noise is not None else wave,
+        begin.contiguous() if begin is not None else lengths,
+        lengths,
+        layout,
+        window.contiguous(),
+        frames,
+        width,
+        float(dither),
+        float(preemph),
+        HOP=hop,
+        WIN=win,
+        N_FFT=n_fft,
+        FRAMES=FRAMES_PER_PROGRAM,
+        HAS_DITHER=noise is not None,
+        HAS_BEGIN=begin is not None,
+        num_warps=8,
+        enable_fp_fusion=False,  # one rounding per operation, as torch's kernels round
+    )
+    spec = torch.fft.rfft(frames)  # (fft_rows, bins) complex64
+    bins = spec.shape[-1]
+    power = torch.empty(total, bins, dtype=torch.float32, device=wave.device)
+    n = total * bins
+    _power_kernel[(max(triton.cdiv(n, POWER_BLOCK), 1),)](
+        torch.view_as_real(spec),
+        power,
+        n,
+        BLOCK=POWER_BLOCK,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
+    # a row count below an utterance's frames would drop its last frames: say so in what the
+    # features' consumers read rather than let them read the next utterance's rows
+    frame_counts = torch.minimum(lengths // hop + 1, layout[1])
+    return power, frame_counts, layout[0]
 
 
 def power_spectrum_cuda(
@@ -110,46 +193,10 @@ def power_spectrum_cuda(
     `preemphasis` and `power_spectrum`; sync-free. With `begin` (B,) int64, row b's samples are
     wave[b, begin[b] :][: lengths[b]] (a trimmed region read where it lies, rather than
     shifted to the start first), and the noise's stay at noise[b, : lengths[b]]."""
-    wave = wave.contiguous()
-    lengths = lengths.contiguous()
     batch, width = wave.shape
-    win = window.numel()
-    if n_fft & (n_fft - 1) or win > n_fft:
-        raise ValueError(f"n_fft {n_fft} must be a power of two of at least the window's {win}")
     t_max = width // hop + 1
-    t_fft = triton.cdiv(t_max, FFT_FRAME_BUCKET) * FFT_FRAME_BUCKET  # frames past t_max: zero
-    frames = torch.empty(batch, t_fft, n_fft, dtype=torch.float32, device=wave.device)
-    _frames_kernel[(batch, triton.cdiv(t_fft, FRAMES_PER_PROGRAM))](
-        wave,
-        noise.contiguous() if noise is not None else wave,
-        begin.contiguous() if begin is not None else lengths,
-        lengths,
-        window.contiguous(),
-        frames,
-        width,
-        t_fft,
-        float(dither),
-        float(preemph),
-        HOP=hop,
-        WIN=win,
-        N_FFT=n_fft,
-        FRAMES=FRAMES_PER_PROGRAM,
-        HAS_DITHER=noise is not None,
-        HAS_BEGIN=begin is not None,
-        num_warps=8,
-        enable_fp_fusion=False,  # one rounding per operation, as torch's kernels round
+    rows = torch.full((batch,), t_max, dtype=torch.int64)
+    power, frames, _ = frame_power_packed(
+        wave, lengths, noise, dither, preemph, window, hop, n_fft, rows, begin
     )
-    spec = torch.fft.rfft(frames)  # (B, t_fft, bins) complex64
-    bins = spec.shape[-1]
-    power = torch.empty(batch, t_max, bins, dtype=torch.float32, device=wave.device)
-    n = t_max * bins
-    _power_kernel[(batch, triton.cdiv(n, POWER_BLOCK))](
-        torch.view_as_real(spec),
-        power,
-        n,
-        t_fft * bins,
-        BLOCK=POWER_BLOCK,
-        num_warps=4,
-        enable_fp_fusion=False,
-    )
-    return power, lengths // hop + 1
+    return power.view(batch, t_max, -1), frames

@@ -11,6 +11,9 @@ taken again each time rather than stored) and writes the features once.
 The sums run in another order than torch's reductions, so the features differ from the
 reference's by float32 rounding (about 1e-6); the clamp, the log and the formula are the
 reference's, the sums taken from each bin's first frame (below).
+
+The energies can also come packed, each utterance's frames in rows of their own one after the
+other (`rnnt.kernels.frames.frame_power_packed`); the features are padded all the same.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ NUM_WARPS = 4
 
 @triton.jit(do_not_specialize=["frames", "bins"])
 def _log_normalize_kernel(
-    mel_ptr,  # (B, frames, bins) float32: mel energies, frame-major as the product leaves them
+    mel_ptr,  # (rows, bins) float32: mel energies, frame-major as the product leaves them
+    starts_ptr,  # (B,) int64: the row of each utterance's first frame
     lengths_ptr,  # (B,) int64: each utterance's frames
     out_ptr,  # (B, frames, bins) float32
     frames,
@@ -41,7 +45,8 @@ def _log_normalize_kernel(
     t0 = tl.arange(0, FRAMES)[:, None]
     length = tl.load(lengths_ptr + row)
     count = tl.maximum(length, 1).to(tl.float32)
-    base = row * frames * bins
+    base = tl.load(starts_ptr + row) * bins
+    out_base = row * frames * bins
     bin_ok = f < bins
 
     # the sums run over the log-energies less the first frame's: a bin at the floor throughout
@@ -73,25 +78,40 @@ def _log_normalize_kernel(
         x = tl.load(mel_ptr + base + t * bins + f, mask=valid, other=1.0)
         centered = tl.log(tl.maximum(x, floor)) - first - mean
         tl.store(
-            out_ptr + base + t * bins + f,
+            out_ptr + out_base + t * bins + f,
             tl.where(valid, centered * scale, 0.0),
             mask=(t < frames) & bin_ok,
         )
 
 
 def log_normalize_cuda(
-    mel: torch.Tensor, lengths: torch.Tensor, floor: float, eps: float
+    mel: torch.Tensor,
+    lengths: torch.Tensor,
+    floor: float,
+    eps: float,
+    starts: torch.Tensor | None = None,
+    frames: int | None = None,
 ) -> torch.Tensor:
     """mel (B, T, F) float32 energies, lengths (B,) int64 frames -> features (B, F, T): per
     utterance and bin, log(max(mel, floor)) normalized to zero mean and unit variance (plus
     `eps`) over the first `lengths` frames, zero past them, as
     `normalize(torch.log(torch.clamp(mel, min=floor)).transpose(1, 2), lengths)` computes it
-    (the output has the reference's frame-major layout); sync-free."""
+    (the output has the reference's frame-major layout); sync-free.
+
+    Packed energies: mel (rows, F) with utterance b's frames from row starts[b] (B,) int64 on,
+    and `frames` the T of the (B, F, T) features."""
     mel = mel.contiguous()
-    batch, frames, bins = mel.shape
-    out = torch.empty_like(mel)
+    if starts is None:
+        batch, frames, bins = mel.shape
+        starts = torch.arange(batch, device=mel.device) * frames
+    else:
+        if frames is None:
+            raise ValueError("packed energies (starts given) need the features' frames")
+        batch, bins = starts.numel(), mel.shape[-1]
+    out = torch.empty(batch, frames, bins, dtype=torch.float32, device=mel.device)
     _log_normalize_kernel[(batch, triton.cdiv(bins, BINS_PER_PROGRAM))](
         mel,
+        starts.contiguous(),
         lengths.contiguous(),
         out,
         frames,

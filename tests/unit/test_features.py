@@ -236,6 +236,65 @@ def test_framing_kernel_gives_the_references_power_bit_for_bit(device, dither, w
         assert torch.equal(got[row, :n], ref[row, :n]), row
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_packed_frames_equal_the_padded_ones(device):
+    """frame_power_packed gives each utterance only its `rows`: the power of every real frame
+    equals the padded layout's bit for bit, the rows past an utterance's frames are zero, and a
+    row count below an utterance's frames cuts its frame count instead of lending it the next
+    utterance's rows. The CPU case runs Triton's interpreter."""
+    pytest.importorskip("triton")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from rnnt.kernels.frames import frame_power_packed, power_spectrum_cuda
+
+    gen = torch.Generator().manual_seed(6)
+    hop, n_fft, coeff, dither = 160, 512, 0.97, 1e-5
+    lengths = torch.tensor([16000, 3000, 161, 1, 7999])
+    width = int(lengths.max()) + 300
+    wave = torch.randn(len(lengths), width, generator=gen) * 0.1
+    wave *= torch.arange(width)[None] < lengths[:, None]
+    noise = torch.randn(wave.shape, generator=gen)
+    window = hann_window(400)
+    real = lengths // hop + 1
+    rows = real + torch.tensor([0, 3, 0, 2, 0])
+    rows[4] = real[4] - 2  # too few
+    to = {"device": device}
+    args = (wave.to(**to), lengths.to(**to), noise.to(**to), dither, coeff, window.to(**to))
+    padded, padded_frames = power_spectrum_cuda(*args, hop, n_fft)
+    packed, frames, starts = frame_power_packed(*args, hop, n_fft, rows)
+    packed, frames, starts, padded = packed.cpu(), frames.cpu(), starts.cpu(), padded.cpu()
+    assert packed.shape == (int(rows.sum()), n_fft // 2 + 1)
+    assert torch.equal(starts, torch.cumsum(rows, 0) - rows)
+    assert torch.equal(frames, torch.minimum(real, rows))
+    assert torch.equal(padded_frames.cpu(), real)
+    for row in range(len(lengths)):
+        n, start = int(frames[row]), int(starts[row])
+        assert torch.equal(packed[start : start + n], padded[row, :n]), row
+        assert torch.all(packed[start + n : start + int(rows[row])] == 0), row
+
+
+def test_frames_bound_holds_every_resampled_utterance():
+    """frames_bound, from the host's lengths, against the frames of `resample`'s own output
+    lengths at speeds down to the slowest, where the bound is met exactly, and without speed
+    perturbation."""
+    from rnnt.data.features import draw_speeds, frames_bound, num_frames
+
+    cfg = FeaturesConfig()
+    hop = round(cfg.window_stride * cfg.sample_rate)
+    lengths = torch.tensor([0, 1, 159, 160, 161, 1599, 4000, 12345, 20000])
+    wave = torch.zeros(len(lengths), int(lengths.max()))
+    ratio_range = (1.0 / cfg.speed_perturbation_max, 1.0 / cfg.speed_perturbation_min)
+    bound = frames_bound(lengths, ratio_range[1], hop)
+    gen = torch.Generator().manual_seed(8)
+    slowest = torch.full((len(lengths),), cfg.speed_perturbation_min, dtype=torch.float64)
+    for speeds in [slowest, draw_speeds(cfg, len(lengths), gen), draw_speeds(cfg, 9, gen)]:
+        _, out_lens = resample(wave, lengths, 1.0 / speeds, ratio_range, use_kernel=False)
+        assert torch.all(num_frames(out_lens, hop) <= bound)
+        if speeds is slowest:
+            assert torch.equal(num_frames(out_lens, hop), bound)
+    assert torch.equal(frames_bound(lengths, 1.0, hop), num_frames(lengths, hop))
+
+
 @pytest.mark.gpu
 def test_batches_of_nearby_lengths_share_one_fft_plan():
     """The framing kernel's FFT runs over a frame count rounded up to FFT_FRAME_BUCKET, so
@@ -280,6 +339,16 @@ def test_log_normalize_kernel_matches_the_reference(device, bins):
     mel[1, :, 3] = 0.0  # digital silence in one bin
     mel[4, :, :5] = 1e-30  # below the floor
     got = log_normalize_cuda(mel.to(device), lengths.to(device), floor, NORM_EPSILON).cpu()
+    # packed: each utterance's frames (at least one row) one after the other, garbage between
+    rows = lengths.clamp(min=1) + torch.tensor([0, 4, 0, 1, 2])
+    starts = torch.cumsum(rows, 0) - rows
+    packed = torch.full((int(rows.sum()), bins), float("nan"))
+    for row, n in enumerate(lengths.tolist()):
+        packed[starts[row] : starts[row] + n] = mel[row, :n]
+    got_packed = log_normalize_cuda(
+        packed.to(device), lengths.to(device), floor, NORM_EPSILON, starts.to(device), 203
+    ).cpu()
+    assert torch.equal(got_packed, got) and got_packed.stride() == got.stride()
     ref = normalize(torch.log(torch.clamp(mel, min=floor)).transpose(1, 2), lengths)
     oracle = normalize(torch.log(torch.clamp(mel.double(), min=floor)).transpose(1, 2), lengths)
     assert got.shape == ref.shape == (len(lengths), bins, 203)
@@ -315,11 +384,33 @@ def test_feature_extractor_kernels_give_the_references_features():
     cfg = FeaturesConfig(dither=1e-5)
     extractor = FeatureExtractor(cfg, train=True, speed_perturb=False).cuda()
     got = extractor(pcm, lens.cuda(), torch.Generator(device="cuda").manual_seed(0))
+    # lengths on the host, as the loader passes them: the frames packed to their bound
+    packed = extractor(pcm, lens, torch.Generator(device="cuda").manual_seed(0))
     extractor.use_kernels = False
     ref = extractor(pcm, lens.cuda(), torch.Generator(device="cuda").manual_seed(0))
-    assert torch.equal(got[1], ref[1])
-    assert got[0].stride() == ref[0].stride()
-    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=5e-6)
+    for features, frames in (got, packed):
+        assert torch.equal(frames, ref[1])
+        assert features.shape == ref[0].shape and features.stride() == ref[0].stride()
+        torch.testing.assert_close(features, ref[0], rtol=0, atol=5e-6)
+
+
+@pytest.mark.gpu
+def test_packed_and_padded_stages_agree_with_speed_perturbation():
+    """With speed perturbation, the kernels' stage given the host's lengths (packed frames)
+    and the device's (padded) from one seed: the same lengths and features, up to the mel
+    product's float32 sums (cuBLAS picks its kernel by the rows)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rng = np.random.default_rng(9)
+    rows = [_speechlike(rng, n, lead=900, trail=700) for n in (64000, 30001, 8000, 1500, 160)]
+    wave, lens = _pad(rows)
+    pcm = (wave * 32768).round().clamp(-32768, 32767).to(torch.int16).cuda()
+    extractor = FeatureExtractor(FeaturesConfig(dither=1e-5), train=True).cuda()
+    padded = extractor(pcm, lens.cuda(), torch.Generator(device="cuda").manual_seed(3))
+    packed = extractor(pcm, lens, torch.Generator(device="cuda").manual_seed(3))
+    assert torch.equal(packed[1], padded[1])
+    assert packed[0].shape == padded[0].shape
+    torch.testing.assert_close(packed[0], padded[0], rtol=0, atol=5e-6)
 
 
 _HOPPER_COMPILE = r"""
@@ -346,16 +437,16 @@ KERNELS = {
         "new_lengths_ptr": "*i64", "out_ptr": "*fp32", "width": "i32", "BLOCK": P},
         {"BLOCK": 1024}, {"num_warps": 4}),
     "frames": (frames._frames_kernel, {"wave_ptr": "*fp32", "noise_ptr": "*fp32",
-        "begin_ptr": "*i64", "lengths_ptr": "*i64", "window_ptr": "*fp32", "out_ptr": "*fp32",
-        "width": "i32", "t_rows": "i32", "dither": "fp32", "coeff": "fp32", "HOP": P, "WIN": P,
+        "begin_ptr": "*i64", "lengths_ptr": "*i64", "layout_ptr": "*i64", "window_ptr": "*fp32",
+        "out_ptr": "*fp32", "width": "i32", "dither": "fp32", "coeff": "fp32", "HOP": P, "WIN": P,
         "N_FFT": P, "FRAMES": P, "HAS_DITHER": P, "HAS_BEGIN": P}, {"HOP": 160, "WIN": 320,
         "N_FFT": 512, "FRAMES": frames.FRAMES_PER_PROGRAM, "HAS_DITHER": True,
         "HAS_BEGIN": True}, {"num_warps": 8, "enable_fp_fusion": False}),
     "power": (frames._power_kernel, {"spec_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
-        "spec_row": "i32", "BLOCK": P}, {"BLOCK": frames.POWER_BLOCK},
+        "BLOCK": P}, {"BLOCK": frames.POWER_BLOCK},
         {"num_warps": 4, "enable_fp_fusion": False}),
     "log_normalize": (log_normalize._log_normalize_kernel, {"mel_ptr": "*fp32",
-        "lengths_ptr": "*i64", "out_ptr": "*fp32", "frames": "i32", "bins": "i32",
+        "starts_ptr": "*i64", "lengths_ptr": "*i64", "out_ptr": "*fp32", "frames": "i32", "bins": "i32",
         "floor": "fp32", "eps": "fp32", "BINS": P, "FRAMES": P},
         {"BINS": log_normalize.BINS_PER_PROGRAM, "FRAMES": log_normalize.FRAMES_PER_LOOP},
         {"num_warps": log_normalize.NUM_WARPS}),
