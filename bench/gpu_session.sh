@@ -30,10 +30,11 @@
 #                                         # PER_GPU=48 EPOCHS=30 TARGET=0.058 on 4 GPUs: the
 #                                         # convergence run's schedule, to the target
 #   bash bench/gpu_session.sh realstep    # the trainer's step on its audio vs synthetic batches
-#                                         # (BACKEND=torch|dali, RESAMPLING=gpu|cpu, WORKERS=8,
-#                                         # SETS="key=value ..."; PROFILE_FROM=30: torch.profiler
-#                                         # over 5 steps of each, the GPU's work only unless
-#                                         # PROFILE_HOST=true, and bench/trace_streams.py on it)
+#                                         # (EPOCHS=2, BACKEND=torch|dali, RESAMPLING=gpu|cpu,
+#                                         # WORKERS=8, SETS="key=value ..."; PROFILE_FROM=30:
+#                                         # torch.profiler over 5 steps of each, the GPU's
+#                                         # work only unless PROFILE_HOST=true, and
+#                                         # bench/trace_streams.py on it)
 #   bash bench/gpu_session.sh realstep_ab # realstep for this checkout and the tree SRC_B in
 #                                         # turn, ROUNDS (2) times each: a change's effect
 #   bash bench/gpu_session.sh converge    # the runs of configs/convergence/, in the background
@@ -286,8 +287,10 @@ case "$phase" in
       --backends ${BACKENDS:-torch dali} --resampling ${RESAMPLING:-gpu cpu} --threads ${THREADS:-4 8} \
       ${PROFILE:+--profile} --json "$OUT/data_pipeline_$tag.json" 2>&1 | tee "$OUT/data_pipeline_$tag.log" ;;
   realstep)
-    # the fast path's trainer for one epoch on the corpus's audio, then on synthetic batches of
-    # the same utterances' lengths and transcripts (a lengths table written from the manifest);
+    # the fast path's trainer for EPOCHS (2) epochs on the corpus's audio, then on synthetic
+    # batches of the same utterances' lengths and transcripts (a lengths table written from the
+    # manifest); the summary's last epoch is the steady state (the first also holds the dev
+    # set's workers' start halfway through it, a one-off cost of 1-2 s);
     # in a folder of its own, so that several can run side by side (ON_GPU); SRC: another
     # source tree's trainer (as for `stress`), to time two versions side by side
     work=$(mktemp -d /tmp/realstep.XXXX)
@@ -308,7 +311,8 @@ for line in open(sys.argv[1]):
       [ "$data" = synthetic ] && extra+=(--set data.backend=synthetic
         --set data.synthetic_train_lengths="$work/sentences_train_lengths.tsv"
         --set data.synthetic_val_lengths="$work/sentences_dev_lengths.tsv")
-      python3 "${SRC:-.}/train.py" "${SRC:-.}/configs/convergence/sentences.yaml" --overwrite --set training.epochs=1 \
+      python3 "${SRC:-.}/train.py" "${SRC:-.}/configs/convergence/sentences.yaml" --overwrite \
+        --set training.epochs="${EPOCHS:-2}" \
         --set data.backend="${BACKEND:-torch}" --set data.resampling_device="${RESAMPLING:-gpu}" \
         --set data.num_threads="${WORKERS:-8}" \
         --set training.output_dir="$work/step_$data" "${extra[@]}" 2>&1 | tee "$OUT/realstep_$data.log" \

@@ -104,8 +104,9 @@ def epoch_table(runs: dict[str, list[dict]]) -> str:
 
 def summary(name: str, records: list[dict]) -> str:
     """Median step time and data-wait share over the logged windows (each epoch's first one,
-    which holds warm-up, CUDA graph capture or the evaluation's aftermath, left out), and the
-    run's first window on its own: what the start inside the timed region cost."""
+    which holds warm-up, CUDA graph capture or the evaluation's aftermath, left out), the same
+    median over the last epoch's alone where there are several, and the run's first window on
+    its own: what the start inside the timed region cost."""
     train = _train(records)
     seen, steady = set(), []
     for r in train:
@@ -119,6 +120,15 @@ def summary(name: str, records: list[dict]) -> str:
     parts = [f"{name}: {len(train)} log points"]
     if step_ms:
         parts.append(f"median step {statistics.median(step_ms):.2f} ms over {len(step_ms)} windows")
+    epochs = sorted({r["epoch"] for r in steady})
+    last = [r["step_ms"] for r in steady if r["epoch"] == max(epochs, default=None)]
+    last = [ms for ms in last if _is_number(ms)]
+    if len(epochs) > 1 and last:
+        # the first epoch also holds one-off costs past its first window (the dev set's
+        # workers start halfway through it): the last epoch's windows are the steady state
+        parts.append(
+            f"last epoch's median step {statistics.median(last):.2f} ms over {len(last)} windows"
+        )
     if waits:
         parts.append(f"median data wait {100 * statistics.median(waits):.1f}%")
     first = train[0] if train else {}

@@ -281,3 +281,27 @@ def test_plot_script_compares_runs_epoch_by_epoch(tmp_path, repo_root):
     assert "first window 126.2 ms per step over 10 steps (1.0% data wait)" in lines[0]
     assert "last WER 5.00% (epoch 2)" in lines[0]
     assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_summary_gives_the_last_epochs_steady_state():
+    """With several epochs, the summary adds the median of the last epoch's windows after its
+    first: the first epoch's one-off costs past its first window (the dev set's workers
+    starting halfway through it) stay out of it."""
+    from rnnt.cli.plot_metrics import summary
+
+    def point(epoch: int, step_ms: float) -> dict:
+        return {
+            "kind": "train",
+            "epoch": epoch,
+            "step_ms": step_ms,
+            "data_wait_share": 0.1,
+            "window_steps": 10,
+        }
+
+    records = [point(1, ms) for ms in (400.0, 120.0, 300.0, 118.0)]
+    records += [point(2, ms) for ms in (125.0, 116.0, 115.0, 117.0)]
+    line = summary("real", records)
+    assert "median step 117.50 ms over 6 windows" in line
+    assert "last epoch's median step 116.00 ms over 3 windows" in line
+    assert "last epoch" not in summary("real", records[:4])
+    assert summary("none", []) == "none: 0 log points"
