@@ -9,8 +9,11 @@ lengths from half the width to all of it), timed with CUDA events, medians of th
 - the log and the per-utterance normalization of a mel batch of the same size: the Triton
   kernel against the reference's operations, with the largest difference;
 - the whole stage, `FeatureExtractor` in training mode on int16 samples, as the loader runs it
-  (the lengths on the host: frames packed) and with the lengths on the GPU (frames padded),
+  (the lengths and speeds on the host: frames packed to each utterance's bound), with the
+  speeds drawn on the GPU (bound at the slowest speed), and with the lengths on the GPU
+  (frames padded),
   and without the speed perturbation with its Triton kernels on and off;
+- the power and the mel product in one kernel against the power's kernel and cuBLAS;
 - the resampler at each launch shape (output samples per program x warps), the default marked.
 
     python bench/feature_stage.py [--batch 192] [--seconds 16.7] [--repeats 10]
@@ -30,11 +33,15 @@ from rnnt.data.features import (
     RESAMPLE_LOBES,
     FeatureExtractor,
     draw_speeds,
+    frames_bound,
+    hann_window,
+    mel_basis,
     normalize,
     resample,
     trim_silence,
 )
 from rnnt.kernels import resample as kernel_module
+from rnnt.kernels.frames import frame_mel_packed, frame_power_packed, mel_tiles
 from rnnt.kernels.log_normalize import log_normalize_cuda
 
 
@@ -114,12 +121,16 @@ def main() -> None:
     stage_gen = torch.Generator(device="cuda").manual_seed(0)
     extractor = FeatureExtractor(cfg, train=True).cuda()
     host_lengths = lengths.cpu()
-    stage = time_ms(lambda: extractor(pcm, host_lengths, stage_gen), args.repeats)
+    host_speeds = draw_speeds(cfg, args.batch, gen)
+    stage = time_ms(lambda: extractor(pcm, host_lengths, stage_gen, host_speeds), args.repeats)
+    slowest = time_ms(lambda: extractor(pcm, host_lengths, stage_gen), args.repeats)
     padded_stage = time_ms(lambda: extractor(pcm, lengths, stage_gen), args.repeats)
     print(
-        f"the whole stage (FeatureExtractor, training mode, int16 in): {stage:.2f} ms with the "
-        f"lengths on the host as the loader passes them (frames packed to their bound), "
-        f"{padded_stage:.2f} ms with them on the GPU (every utterance framed to the longest)"
+        f"the whole stage (FeatureExtractor, training mode, int16 in): {stage:.2f} ms as the "
+        f"loader runs it (lengths and speeds on the host: each utterance's frames packed to "
+        f"its bound at its speed), {slowest:.2f} ms with the speeds drawn on the GPU (bound at "
+        f"the slowest speed), {padded_stage:.2f} ms with the lengths on the GPU (every "
+        f"utterance framed to the longest)"
     )
     # without the speed perturbation, whose float64 reference would dwarf the rest
     unperturbed = FeatureExtractor(cfg, train=True, speed_perturb=False).cuda()
@@ -130,6 +141,24 @@ def main() -> None:
         f"the stage without speed perturbation: Triton trim, framing, log and normalization "
         f"{with_kernels:.2f} ms, "
         f"reference functions {with_references:.2f} ms ({with_references / with_kernels:.1f}x)"
+    )
+    # the power and the mel product: one kernel against the power's kernel and cuBLAS's
+    # product, on the resampled batch's frames packed to the stage's bound (framing and FFT
+    # included in both)
+    rows = frames_bound(lengths.cpu(), ratio_range[1], hop)
+    window = hann_window(round(cfg.window_size * cfg.sample_rate)).cuda()
+    framing = (got, got_lens, None, 0.0, cfg.preemph, window, hop, cfg.n_fft, rows)
+    basis = mel_basis(cfg).cuda()
+    tiles = mel_tiles(basis, "cuda")
+    separate = time_ms(lambda: torch.matmul(frame_power_packed(*framing)[0], basis.T), args.repeats)
+    fused = time_ms(lambda: frame_mel_packed(*framing, tiles), args.repeats)
+    difference = frame_mel_packed(*framing, tiles)[0] - torch.matmul(
+        frame_power_packed(*framing)[0], basis.T
+    )
+    print(
+        f"framing, FFT, power and mel product of {int(rows.sum())} packed frames: the power "
+        f"and the mel product in one kernel {fused:.2f} ms, the power's kernel then cuBLAS "
+        f"{separate:.2f} ms; max |difference| {difference.abs().max().item():.2e}"
     )
     half = math.ceil(RESAMPLE_LOBES / ratio_range[0])
     out_lens = torch.ceil(lengths.double() * ratio.cuda()).long()

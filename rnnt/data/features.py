@@ -124,13 +124,15 @@ def num_frames(lengths: torch.Tensor, hop: int) -> torch.Tensor:
     return lengths // hop + 1
 
 
-def frames_bound(lengths: torch.Tensor, longest_ratio: float, hop: int) -> torch.Tensor:
-    """The most frames that utterances of `lengths` (B,) samples can have after `resample` at a
-    ratio of at most `longest_ratio` (1.0: none) and the silence trim, from the host's lengths.
+def frames_bound(lengths: torch.Tensor, ratio: float | torch.Tensor, hop: int) -> torch.Tensor:
+    """The most frames that utterances of `lengths` (B,) samples can have after `resample` and
+    the silence trim, from the host's lengths: at each utterance's own ratio (B,) float64 on
+    the host, or at a ratio of at most `ratio` (a float; 1.0: no resampling).
 
-    `resample` makes ceil(length * ratio) samples in float64, which no ratio below the largest
-    can round past, and the trim only shortens."""
-    longest = torch.ceil(lengths.to(torch.float64) * longest_ratio).to(torch.int64)
+    `resample` makes ceil(length * ratio) samples in float64 (the same product here gives the
+    same count, and no smaller ratio can round past the largest's), and the trim only
+    shortens."""
+    longest = torch.ceil(lengths.to(torch.float64) * ratio).to(torch.int64)
     return num_frames(longest, hop)
 
 
@@ -195,8 +197,9 @@ def resample(
 
 def draw_speeds(cfg: FeaturesConfig, batch: int, generator: torch.Generator | None) -> torch.Tensor:
     """(B,) float64 speeds ~ U[speed_perturbation_min, speed_perturbation_max], drawn and left
-    on the generator's device: the GPU feature stage resamples with them there, and a copy to
-    the host would make the host wait for the stage's stream (the audio's upload before it)."""
+    on the generator's device. The torch loader draws them on the host, where they bound each
+    utterance's frames, and uploads them from pinned memory: a copy of speeds drawn on the GPU
+    back to the host would make the host wait for the stage's stream (the audio's upload)."""
     device = generator.device if generator is not None else None
     u = torch.rand(batch, generator=generator, dtype=torch.float64, device=device)
     lo, hi = cfg.speed_perturbation_min, cfg.speed_perturbation_max
@@ -303,6 +306,9 @@ class FeatureExtractor(nn.Module):
     `speed_perturb` (default: `train`) resamples every utterance at a random speed first; the
     torch loader turns it off when perturbation already happened on another device.
     `generator` drives speed and dither (a CPU torch.Generator for determinism; None = global).
+    `speeds` (B,) float64 on the host, drawn by the caller (`draw_speeds`), replace the
+    generator's draw: with host lengths, the frames are then bounded at each utterance's own
+    speed rather than the slowest.
     """
 
     def __init__(self, cfg: FeaturesConfig, train: bool, speed_perturb: bool | None = None):
@@ -318,6 +324,9 @@ class FeatureExtractor(nn.Module):
             )
         self.register_buffer("window", hann_window(self.win_length), persistent=False)
         self.register_buffer("mel", mel_basis(cfg), persistent=False)
+        # the basis as the GPU's kernel for the power and the mel product reads it, made at
+        # the first batch there (rnnt.kernels.frames.mel_tiles: importing Triton takes seconds)
+        self.mel_tiles = None
         # float32 batches on a GPU take the Triton kernels (resampling, trim, framing, log and
         # normalization), which compute what the reference functions of this module compute
         # (the normalization's sums in another order); off, the references
@@ -329,6 +338,7 @@ class FeatureExtractor(nn.Module):
         wave: torch.Tensor,
         lengths: torch.Tensor,
         generator: torch.Generator | None = None,
+        speeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         # int16 rows are PCM samples (rnnt.data.features.read_audio(pcm16=True)), converted and
@@ -337,16 +347,24 @@ class FeatureExtractor(nn.Module):
         host_lengths = lengths.to(torch.int64) if lengths.device.type == "cpu" else None
         lengths = lengths.to(device=wave.device, dtype=torch.int64, non_blocking=True)
         kernels = self.use_kernels and wave.is_cuda
-        longest_ratio = 1.0  # of the output's length to the input's, at most
+        ratio: float | torch.Tensor = 1.0  # of each output's length to its input's, at most
         if self.speed_perturb:
-            speeds = draw_speeds(cfg, wave.shape[0], generator)
             ratio_range = (1.0 / cfg.speed_perturbation_max, 1.0 / cfg.speed_perturbation_min)
-            wave, lengths = resample(wave, lengths, 1.0 / speeds, ratio_range, kernels)
-            longest_ratio = ratio_range[1]
+            if speeds is None:
+                speeds = draw_speeds(cfg, wave.shape[0], generator)
+            ratio = 1.0 / speeds.to(torch.float64)
+            on_host = ratio.device.type == "cpu" and wave.is_cuda
+            # from pinned memory, so that the host does not wait for this stream's work
+            device_ratio = (
+                ratio.pin_memory().to(wave.device, non_blocking=True) if on_host else ratio
+            )
+            wave, lengths = resample(wave, lengths, device_ratio, ratio_range, kernels)
+            if not on_host:  # the ratios are on the GPU: bound by the largest
+                ratio = ratio_range[1]
         n_fft_pow2 = cfg.n_fft & (cfg.n_fft - 1) == 0  # the framing kernel's tile width
         framing_kernel = kernels and n_fft_pow2
         if framing_kernel:
-            from rnnt.kernels.frames import frame_power_packed
+            from rnnt.kernels.frames import frame_mel_packed, mel_tiles
             from rnnt.kernels.log_normalize import log_normalize_cuda
             from rnnt.kernels.trim import loud_regions_cuda
 
@@ -364,8 +382,10 @@ class FeatureExtractor(nn.Module):
             t_max = wave.shape[1] // self.hop + 1
             rows = torch.full((wave.shape[0],), t_max, dtype=torch.int64)
             if host_lengths is not None:
-                rows = torch.minimum(frames_bound(host_lengths, longest_ratio, self.hop), rows)
-            power, frames, starts = frame_power_packed(
+                rows = torch.minimum(frames_bound(host_lengths, ratio, self.hop), rows)
+            if self.mel_tiles is None or self.mel_tiles.weights.device != wave.device:
+                self.mel_tiles = mel_tiles(mel_basis(cfg), wave.device)
+            mel, frames, starts = frame_mel_packed(
                 wave,
                 lengths,
                 noise,
@@ -375,9 +395,9 @@ class FeatureExtractor(nn.Module):
                 self.hop,
                 cfg.n_fft,
                 rows,
+                self.mel_tiles,
                 begin=begin,
-            )
-            mel = torch.matmul(power, self.mel.T)  # (rows, F)
+            )  # (rows, F)
             features = log_normalize_cuda(
                 mel, frames, cfg.log_floor, NORM_EPSILON, starts=starts, frames=t_max
             )

@@ -453,9 +453,15 @@ class TorchFeatureLoader:
         self, padded: torch.Tensor, lens: torch.Tensor, batch_seed: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         padded = padded.to(self.device, non_blocking=True)
-        # the lengths stay on the host: the extractor bounds each utterance's frames with them
+        # The lengths and the speeds stay on the host, where the extractor bounds each
+        # utterance's frames with them; the dither's noise comes from the device's generator.
+        speeds = None
+        if self.extractor.speed_perturb:
+            speeds = draw_speeds(
+                self.extractor.cfg, len(lens), torch.Generator().manual_seed(batch_seed)
+            )
         generator = torch.Generator(device=self.device).manual_seed(batch_seed)
-        return self.extractor(padded, lens, generator)
+        return self.extractor(padded, lens, generator, speeds)
 
 
 def _collate(items: list[tuple[int, int, torch.Tensor | str]]):

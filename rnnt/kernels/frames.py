@@ -25,6 +25,8 @@ bounds each utterance's frames from its length before resampling, which the host
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -99,7 +101,74 @@ def _power_kernel(spec_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, re * re + im * im, mask=inside)
 
 
-def frame_power_packed(
+@triton.jit(do_not_specialize=["rows", "bins"])
+def _power_mel_kernel(
+    spec_ptr,  # (>= rows, bins) complex64 as float32 pairs
+    weights_ptr,  # (K_BLOCKS * BLOCK_K, M_BLOCKS * BLOCK_M) float32: the basis, transposed
+    k_blocks_ptr,  # (2, M_BLOCKS) int32: each block of mels' first and last + 1 block of bins
+    out_ptr,  # (rows, n_mels) float32
+    rows,
+    bins,
+    n_mels,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    M_BLOCKS: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    kk = tl.arange(0, BLOCK_K)
+    mm = tl.arange(0, BLOCK_M)
+    m_stride = M_BLOCKS * BLOCK_M
+    for j in tl.static_range(M_BLOCKS):
+        acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+        # a mel filter covers a band of bins: only the blocks of bins that its block touches
+        for kb in range(tl.load(k_blocks_ptr + j), tl.load(k_blocks_ptr + M_BLOCKS + j)):
+            k = kb * BLOCK_K + kk[None, :]
+            inside = (r < rows) & (k < bins)
+            src = spec_ptr + 2 * (r * bins + k)
+            re = tl.load(src, mask=inside, other=0.0)
+            im = tl.load(src + 1, mask=inside, other=0.0)
+            w = tl.load(weights_ptr + (kb * BLOCK_K + kk[:, None]) * m_stride + j * BLOCK_M + mm)
+            acc = tl.dot(re * re + im * im, w, acc, input_precision="tf32x3")
+        m = j * BLOCK_M + mm[None, :]
+        tl.store(out_ptr + r * n_mels + m, acc, mask=(r < rows) & (m < n_mels))
+
+
+MEL_BLOCK_R = 64
+MEL_BLOCK_K = 32
+MEL_BLOCK_M = 16
+
+
+class MelTiles(NamedTuple):
+    """A mel basis (F, bins) as `frame_mel_packed` reads it (`mel_tiles`)."""
+
+    weights: torch.Tensor  # (bins padded to MEL_BLOCK_K, F padded to MEL_BLOCK_M) float32
+    k_blocks: torch.Tensor  # (2, F blocks) int32: each block of mels' first, last + 1 bin block
+    n_mels: int
+    bins: int
+
+
+def mel_tiles(basis: torch.Tensor, device: torch.device | str = "cpu") -> MelTiles:
+    """The basis transposed and zero-padded to blocks of MEL_BLOCK_K bins by MEL_BLOCK_M mels,
+    and for each block of mels the range of blocks of bins where its filters are nonzero: a
+    triangular filter spans a narrow band, so most blocks are zero and the kernel skips them.
+    Made on the host from the basis there (reading it back from a GPU would sync), then
+    moved to `device`."""
+    basis = basis.detach().to(torch.float32).cpu()
+    n_mels, bins = basis.shape
+    m_blocks = triton.cdiv(n_mels, MEL_BLOCK_M)
+    weights = torch.zeros(triton.cdiv(bins, MEL_BLOCK_K) * MEL_BLOCK_K, m_blocks * MEL_BLOCK_M)
+    weights[:bins, :n_mels] = basis.T
+    k_blocks = torch.zeros(2, m_blocks, dtype=torch.int32)
+    for j in range(m_blocks):
+        used = torch.nonzero(basis[j * MEL_BLOCK_M : (j + 1) * MEL_BLOCK_M].any(0))
+        if used.numel():
+            k_blocks[0, j] = int(used[0]) // MEL_BLOCK_K
+            k_blocks[1, j] = int(used[-1]) // MEL_BLOCK_K + 1
+    return MelTiles(weights.to(device), k_blocks.to(device), n_mels, bins)
+
+
+def _packed_spectrum(
     wave: torch.Tensor,
     lengths: torch.Tensor,
     noise: torch.Tensor | None,
@@ -109,15 +178,10 @@ def frame_power_packed(
     hop: int,
     n_fft: int,
     rows: torch.Tensor,
-    begin: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The power spectrum of `power_spectrum_cuda`, packed: utterance b's frames in rows
-    starts[b] .. starts[b] + rows[b] - 1 of one (sum(rows), n_fft // 2 + 1) float32 tensor.
-
-    rows (B,) int64 on the host: the rows each utterance gets, at least its number of frames
-    (1 + lengths // hop; a row past them is zero). Returns the power, the frames (B,) int64 and
-    the starts (B,) int64, both on the GPU; sync-free. The FFT runs over the total rounded up
-    to FFT_FRAME_BUCKET frames per utterance, so that batches of nearby totals share a plan."""
+    begin: torch.Tensor | None,
+) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+    """The packed frames' spectrum (>= total rows, bins) complex64, the total of `rows`, and
+    on the GPU the frame counts and the starts (see frame_power_packed)."""
     wave = wave.contiguous()
     lengths = lengths.contiguous()
     batch, width = wave.shape
@@ -158,7 +222,34 @@ def frame_power_packed(
         num_warps=8,
         enable_fp_fusion=False,  # one rounding per operation, as torch's kernels round
     )
-    spec = torch.fft.rfft(frames)  # (fft_rows, bins) complex64
+    # a row count below an utterance's frames would drop its last frames: say so in what the
+    # features' consumers read rather than let them read the next utterance's rows
+    frame_counts = torch.minimum(lengths // hop + 1, layout[1])
+    return torch.fft.rfft(frames), total, frame_counts, layout[0]
+
+
+def frame_power_packed(
+    wave: torch.Tensor,
+    lengths: torch.Tensor,
+    noise: torch.Tensor | None,
+    dither: float,
+    preemph: float,
+    window: torch.Tensor,
+    hop: int,
+    n_fft: int,
+    rows: torch.Tensor,
+    begin: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The power spectrum of `power_spectrum_cuda`, packed: utterance b's frames in rows
+    starts[b] .. starts[b] + rows[b] - 1 of one (sum(rows), n_fft // 2 + 1) float32 tensor.
+
+    rows (B,) int64 on the host: the rows each utterance gets, at least its number of frames
+    (1 + lengths // hop; a row past them is zero). Returns the power, the frames (B,) int64 and
+    the starts (B,) int64, both on the GPU; sync-free. The FFT runs over the total rounded up
+    to FFT_FRAME_BUCKET frames per utterance, so that batches of nearby totals share a plan."""
+    spec, total, frame_counts, starts = _packed_spectrum(
+        wave, lengths, noise, dither, preemph, window, hop, n_fft, rows, begin
+    )
     bins = spec.shape[-1]
     power = torch.empty(total, bins, dtype=torch.float32, device=wave.device)
     n = total * bins
@@ -170,10 +261,47 @@ def frame_power_packed(
         num_warps=4,
         enable_fp_fusion=False,
     )
-    # a row count below an utterance's frames would drop its last frames: say so in what the
-    # features' consumers read rather than let them read the next utterance's rows
-    frame_counts = torch.minimum(lengths // hop + 1, layout[1])
-    return power, frame_counts, layout[0]
+    return power, frame_counts, starts
+
+
+def frame_mel_packed(
+    wave: torch.Tensor,
+    lengths: torch.Tensor,
+    noise: torch.Tensor | None,
+    dither: float,
+    preemph: float,
+    window: torch.Tensor,
+    hop: int,
+    n_fft: int,
+    rows: torch.Tensor,
+    mel: MelTiles,
+    begin: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """frame_power_packed's power projected on the mel basis `mel` in the same kernel that
+    squares the spectrum: the mel energies (sum(rows), F) float32, the frames and the starts.
+    The power is never written out, and each row's products skip the basis's zero blocks; the
+    sums run in another order than a matrix product's (float32 rounding)."""
+    spec, total, frame_counts, starts = _packed_spectrum(
+        wave, lengths, noise, dither, preemph, window, hop, n_fft, rows, begin
+    )
+    if spec.shape[-1] != mel.bins:
+        raise ValueError(f"the mel basis has {mel.bins} bins, the spectrum {spec.shape[-1]}")
+    out = torch.empty(total, mel.n_mels, dtype=torch.float32, device=wave.device)
+    _power_mel_kernel[(max(triton.cdiv(total, MEL_BLOCK_R), 1),)](
+        torch.view_as_real(spec),
+        mel.weights,
+        mel.k_blocks,
+        out,
+        total,
+        mel.bins,
+        mel.n_mels,
+        BLOCK_R=MEL_BLOCK_R,
+        BLOCK_K=MEL_BLOCK_K,
+        BLOCK_M=MEL_BLOCK_M,
+        M_BLOCKS=mel.k_blocks.shape[1],
+        num_warps=4,
+    )
+    return out, frame_counts, starts
 
 
 def power_spectrum_cuda(

@@ -21,6 +21,7 @@ from rnnt.data.features import (
     TRIM_WINDOW,
     AudioFileError,
     FeatureExtractor,
+    draw_speeds,
     hann_window,
     mel_basis,
     normalize,
@@ -273,11 +274,59 @@ def test_packed_frames_equal_the_padded_ones(device):
         assert torch.all(packed[start + n : start + int(rows[row])] == 0), row
 
 
+def _banded_basis(n_mels: int, bins: int) -> torch.Tensor:
+    """A made-up (n_mels, bins) basis of overlapping bands: mels 16-31 all zero (a whole block
+    of mels with nothing to sum), the last one on the Nyquist bin."""
+    basis = torch.zeros(n_mels, bins)
+    for m in range(n_mels):
+        lo = min(6 * m, bins - 13)
+        basis[m, lo : lo + 13] = torch.linspace(0.1, 1.0, 13) * (m + 1)
+    basis[16:32] = 0
+    basis[-1, -1] = 2.0
+    return basis
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("basis", ["librosa", "banded"])
+def test_power_and_mel_kernel_matches_the_matrix_product(device, basis):
+    """frame_mel_packed (the power squared and projected in one kernel, skipping the basis's
+    zero blocks) against frame_power_packed's power times the basis, and against a float64
+    oracle: the baseline's mel basis, and a made-up one with a block of mels that is zero
+    throughout and a filter on the Nyquist bin. The CPU case runs Triton's interpreter."""
+    pytest.importorskip("triton")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from rnnt.kernels.frames import frame_mel_packed, frame_power_packed, mel_tiles
+
+    gen = torch.Generator().manual_seed(10)
+    hop, n_fft = 160, 512
+    lengths = torch.tensor([9000, 3000, 161, 7999])
+    width = int(lengths.max())
+    wave = torch.randn(len(lengths), width, generator=gen) * 0.1
+    wave *= torch.arange(width)[None] < lengths[:, None]
+    rows = lengths // hop + 1 + torch.tensor([0, 2, 0, 5])
+    weights = mel_basis(FeaturesConfig()) if basis == "librosa" else _banded_basis(41, 257)
+    to = {"device": device}
+    args = (wave.to(**to), lengths.to(**to), None, 0.0, 0.97, hann_window(400).to(**to), hop)
+    power, frames, starts = frame_power_packed(*args, n_fft, rows)
+    got, got_frames, got_starts = frame_mel_packed(*args, n_fft, rows, mel_tiles(weights, device))
+    assert torch.equal(got_frames, frames) and torch.equal(got_starts, starts)
+    got, power = got.cpu(), power.cpu()
+    assert got.shape == (int(rows.sum()), weights.shape[0])
+    oracle = power.double() @ weights.double().T
+    ref = power @ weights.T
+    scale = oracle.abs().amax(1, keepdim=True).clamp(min=1e-30)  # per frame: sums of products
+    assert torch.all((got.double() - oracle).abs() <= 2e-6 * scale)
+    assert torch.all((ref.double() - oracle).abs() <= 2e-6 * scale)
+    if basis == "banded":
+        assert torch.all(got[:, 16:32] == 0) and torch.all(got[:, -1] >= 2 * power[:, -1])
+
+
 def test_frames_bound_holds_every_resampled_utterance():
     """frames_bound, from the host's lengths, against the frames of `resample`'s own output
     lengths at speeds down to the slowest, where the bound is met exactly, and without speed
     perturbation."""
-    from rnnt.data.features import draw_speeds, frames_bound, num_frames
+    from rnnt.data.features import frames_bound, num_frames
 
     cfg = FeaturesConfig()
     hop = round(cfg.window_stride * cfg.sample_rate)
@@ -288,8 +337,11 @@ def test_frames_bound_holds_every_resampled_utterance():
     gen = torch.Generator().manual_seed(8)
     slowest = torch.full((len(lengths),), cfg.speed_perturbation_min, dtype=torch.float64)
     for speeds in [slowest, draw_speeds(cfg, len(lengths), gen), draw_speeds(cfg, 9, gen)]:
-        _, out_lens = resample(wave, lengths, 1.0 / speeds, ratio_range, use_kernel=False)
+        ratio = 1.0 / speeds
+        _, out_lens = resample(wave, lengths, ratio, ratio_range, use_kernel=False)
         assert torch.all(num_frames(out_lens, hop) <= bound)
+        # at each utterance's own ratio the bound is its frame count before the trim
+        assert torch.equal(frames_bound(lengths, ratio, hop), num_frames(out_lens, hop))
         if speeds is slowest:
             assert torch.equal(num_frames(out_lens, hop), bound)
     assert torch.equal(frames_bound(lengths, 1.0, hop), num_frames(lengths, hop))
@@ -398,19 +450,30 @@ def test_feature_extractor_kernels_give_the_references_features():
 def test_packed_and_padded_stages_agree_with_speed_perturbation():
     """With speed perturbation, the kernels' stage given the host's lengths (packed frames)
     and the device's (padded) from one seed: the same lengths and features, up to the mel
-    product's float32 sums (cuBLAS picks its kernel by the rows)."""
+    product's float32 sums (cuBLAS picks its kernel by the rows); and with speeds drawn on the
+    host (frames bounded at each utterance's own speed) against the same speeds on the GPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     rng = np.random.default_rng(9)
     rows = [_speechlike(rng, n, lead=900, trail=700) for n in (64000, 30001, 8000, 1500, 160)]
     wave, lens = _pad(rows)
     pcm = (wave * 32768).round().clamp(-32768, 32767).to(torch.int16).cuda()
-    extractor = FeatureExtractor(FeaturesConfig(dither=1e-5), train=True).cuda()
+    cfg = FeaturesConfig(dither=1e-5)
+    extractor = FeatureExtractor(cfg, train=True).cuda()
     padded = extractor(pcm, lens.cuda(), torch.Generator(device="cuda").manual_seed(3))
     packed = extractor(pcm, lens, torch.Generator(device="cuda").manual_seed(3))
     assert torch.equal(packed[1], padded[1])
     assert packed[0].shape == padded[0].shape
     torch.testing.assert_close(packed[0], padded[0], rtol=0, atol=5e-6)
+    # speeds drawn on the host, as the loader draws them: each utterance's frames bounded at
+    # its own speed; the same speeds on the GPU frame every utterance to the longest
+    speeds = draw_speeds(cfg, len(lens), torch.Generator().manual_seed(4))
+    own = extractor(pcm, lens, torch.Generator(device="cuda").manual_seed(3), speeds)
+    on_gpu = extractor(
+        pcm, lens.cuda(), torch.Generator(device="cuda").manual_seed(3), speeds.cuda()
+    )
+    assert torch.equal(own[1], on_gpu[1]) and not torch.equal(own[1], padded[1])
+    torch.testing.assert_close(own[0], on_gpu[0], rtol=0, atol=5e-6)
 
 
 _HOPPER_COMPILE = r"""
@@ -445,9 +508,14 @@ KERNELS = {
     "power": (frames._power_kernel, {"spec_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
         "BLOCK": P}, {"BLOCK": frames.POWER_BLOCK},
         {"num_warps": 4, "enable_fp_fusion": False}),
+    "power_mel": (frames._power_mel_kernel, {"spec_ptr": "*fp32", "weights_ptr": "*fp32",
+        "k_blocks_ptr": "*i32", "out_ptr": "*fp32", "rows": "i32", "bins": "i32",
+        "n_mels": "i32", "BLOCK_R": P, "BLOCK_K": P, "BLOCK_M": P, "M_BLOCKS": P},
+        {"BLOCK_R": frames.MEL_BLOCK_R, "BLOCK_K": frames.MEL_BLOCK_K,
+        "BLOCK_M": frames.MEL_BLOCK_M, "M_BLOCKS": 5}, {"num_warps": 4}),
     "log_normalize": (log_normalize._log_normalize_kernel, {"mel_ptr": "*fp32",
-        "starts_ptr": "*i64", "lengths_ptr": "*i64", "out_ptr": "*fp32", "frames": "i32", "bins": "i32",
-        "floor": "fp32", "eps": "fp32", "BINS": P, "FRAMES": P},
+        "starts_ptr": "*i64", "lengths_ptr": "*i64", "out_ptr": "*fp32", "frames": "i32",
+        "bins": "i32", "floor": "fp32", "eps": "fp32", "BINS": P, "FRAMES": P},
         {"BINS": log_normalize.BINS_PER_PROGRAM, "FRAMES": log_normalize.FRAMES_PER_LOOP},
         {"num_warps": log_normalize.NUM_WARPS}),
 }
@@ -490,6 +558,7 @@ def test_the_feature_stage_kernels_compile_for_hopper(tmp_path):
         "shift",
         "frames",
         "power",
+        "power_mel",
         "log_normalize",
     }
     for name, usage in lines.items():
