@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 256
-NUM_WARPS = 8
+NUM_WARPS = 4
 
 
 # The widths change with every batch; specialised (Triton's default: a variant for multiples
