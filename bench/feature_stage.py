@@ -42,7 +42,7 @@ from rnnt.data.features import (
     trim_silence,
 )
 from rnnt.kernels import resample as kernel_module
-from rnnt.kernels.frames import frame_mel_packed, frame_power_packed, mel_tiles
+from rnnt.kernels.frames import frame_power_packed, mel_tiles
 from rnnt.kernels.log_normalize import log_normalize_cuda
 
 
@@ -152,8 +152,8 @@ def main() -> None:
     basis = mel_basis(cfg).cuda()
     tiles = mel_tiles(basis, "cuda")
     separate = time_ms(lambda: torch.matmul(frame_power_packed(*framing)[0], basis.T), args.repeats)
-    fused = time_ms(lambda: frame_mel_packed(*framing, tiles), args.repeats)
-    difference = frame_mel_packed(*framing, tiles)[0] - torch.matmul(
+    fused = time_ms(lambda: frame_power_packed(*framing, mel=tiles), args.repeats)
+    difference = frame_power_packed(*framing, mel=tiles)[0] - torch.matmul(
         frame_power_packed(*framing)[0], basis.T
     )
     print(

@@ -364,7 +364,7 @@ class FeatureExtractor(nn.Module):
         n_fft_pow2 = cfg.n_fft & (cfg.n_fft - 1) == 0  # the framing kernel's tile width
         framing_kernel = kernels and n_fft_pow2
         if framing_kernel:
-            from rnnt.kernels.frames import frame_mel_packed, mel_tiles
+            from rnnt.kernels.frames import frame_power_packed, mel_tiles
             from rnnt.kernels.log_normalize import log_normalize_cuda
             from rnnt.kernels.trim import loud_regions_cuda
 
@@ -385,7 +385,7 @@ class FeatureExtractor(nn.Module):
                 rows = torch.minimum(frames_bound(host_lengths, ratio, self.hop), rows)
             if self.mel_tiles is None or self.mel_tiles.weights.device != wave.device:
                 self.mel_tiles = mel_tiles(mel_basis(cfg), wave.device)
-            mel, frames, starts = frame_mel_packed(
+            mel, frames, starts = frame_power_packed(
                 wave,
                 lengths,
                 noise,
@@ -395,8 +395,8 @@ class FeatureExtractor(nn.Module):
                 self.hop,
                 cfg.n_fft,
                 rows,
-                self.mel_tiles,
                 begin=begin,
+                mel=self.mel_tiles,
             )  # (rows, F)
             features = log_normalize_cuda(
                 mel, frames, cfg.log_floor, NORM_EPSILON, starts=starts, frames=t_max

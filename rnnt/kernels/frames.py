@@ -140,7 +140,7 @@ MEL_BLOCK_M = 16
 
 
 class MelTiles(NamedTuple):
-    """A mel basis (F, bins) as `frame_mel_packed` reads it (`mel_tiles`)."""
+    """A mel basis (F, bins) as `frame_power_packed(mel=...)` reads it (`mel_tiles`)."""
 
     weights: torch.Tensor  # (bins padded to MEL_BLOCK_K, F padded to MEL_BLOCK_M) float32
     k_blocks: torch.Tensor  # (2, F blocks) int32: each block of mels' first, last + 1 bin block
@@ -168,7 +168,7 @@ def mel_tiles(basis: torch.Tensor, device: torch.device | str = "cpu") -> MelTil
     return MelTiles(weights.to(device), k_blocks.to(device), n_mels, bins)
 
 
-def _packed_spectrum(
+def frame_power_packed(
     wave: torch.Tensor,
     lengths: torch.Tensor,
     noise: torch.Tensor | None,
@@ -178,10 +178,22 @@ def _packed_spectrum(
     hop: int,
     n_fft: int,
     rows: torch.Tensor,
-    begin: torch.Tensor | None,
-) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
-    """The packed frames' spectrum (>= total rows, bins) complex64, the total of `rows`, and
-    on the GPU the frame counts and the starts (see frame_power_packed)."""
+    begin: torch.Tensor | None = None,
+    mel: MelTiles | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The power spectrum of `power_spectrum_cuda`, packed: utterance b's frames in rows
+    starts[b] .. starts[b] + rows[b] - 1 of one (sum(rows), n_fft // 2 + 1) float32 tensor.
+
+    rows (B,) int64 on the host: the rows each utterance gets, at least its number of frames
+    (1 + lengths // hop; a row past them is zero). Returns the power, the frames (B,) int64 and
+    the starts (B,) int64, both on the GPU; sync-free. The FFT runs over the total rounded up
+    to FFT_FRAME_BUCKET frames per utterance, so that batches of nearby totals share a plan.
+
+    With `mel` (`mel_tiles`), the power is projected on that basis in the kernel that squares
+    the spectrum and never written out: the mel energies (sum(rows), F) float32 come back
+    instead. Their products skip the basis's zero blocks and run on tensor cores as three TF32
+    products each, which keeps float32's accuracy; the sums run in another order than a matrix
+    product's."""
     wave = wave.contiguous()
     lengths = lengths.contiguous()
     batch, width = wave.shape
@@ -191,6 +203,9 @@ def _packed_spectrum(
     rows = rows.to(torch.int64).cpu()
     if rows.shape != (batch,):
         raise ValueError(f"rows has shape {tuple(rows.shape)}, the batch {batch}")
+    bins = n_fft // 2 + 1
+    if mel is not None and mel.bins != bins:
+        raise ValueError(f"the mel basis has {mel.bins} bins, the spectrum {bins}")
     total = int(rows.sum())
     bucket = FFT_FRAME_BUCKET * batch
     fft_rows = max(triton.cdiv(total, bucket), 1) * bucket
@@ -222,86 +237,33 @@ def _packed_spectrum(
         num_warps=8,
         enable_fp_fusion=False,  # one rounding per operation, as torch's kernels round
     )
+    spec = torch.view_as_real(torch.fft.rfft(frames))  # (fft_rows, bins, 2)
     # a row count below an utterance's frames would drop its last frames: say so in what the
     # features' consumers read rather than let them read the next utterance's rows
     frame_counts = torch.minimum(lengths // hop + 1, layout[1])
-    return torch.fft.rfft(frames), total, frame_counts, layout[0]
-
-
-def frame_power_packed(
-    wave: torch.Tensor,
-    lengths: torch.Tensor,
-    noise: torch.Tensor | None,
-    dither: float,
-    preemph: float,
-    window: torch.Tensor,
-    hop: int,
-    n_fft: int,
-    rows: torch.Tensor,
-    begin: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The power spectrum of `power_spectrum_cuda`, packed: utterance b's frames in rows
-    starts[b] .. starts[b] + rows[b] - 1 of one (sum(rows), n_fft // 2 + 1) float32 tensor.
-
-    rows (B,) int64 on the host: the rows each utterance gets, at least its number of frames
-    (1 + lengths // hop; a row past them is zero). Returns the power, the frames (B,) int64 and
-    the starts (B,) int64, both on the GPU; sync-free. The FFT runs over the total rounded up
-    to FFT_FRAME_BUCKET frames per utterance, so that batches of nearby totals share a plan."""
-    spec, total, frame_counts, starts = _packed_spectrum(
-        wave, lengths, noise, dither, preemph, window, hop, n_fft, rows, begin
-    )
-    bins = spec.shape[-1]
+    if mel is not None:
+        out = torch.empty(total, mel.n_mels, dtype=torch.float32, device=wave.device)
+        _power_mel_kernel[(max(triton.cdiv(total, MEL_BLOCK_R), 1),)](
+            spec,
+            mel.weights,
+            mel.k_blocks,
+            out,
+            total,
+            bins,
+            mel.n_mels,
+            BLOCK_R=MEL_BLOCK_R,
+            BLOCK_K=MEL_BLOCK_K,
+            BLOCK_M=MEL_BLOCK_M,
+            M_BLOCKS=mel.k_blocks.shape[1],
+            num_warps=4,
+        )
+        return out, frame_counts, layout[0]
     power = torch.empty(total, bins, dtype=torch.float32, device=wave.device)
     n = total * bins
     _power_kernel[(max(triton.cdiv(n, POWER_BLOCK), 1),)](
-        torch.view_as_real(spec),
-        power,
-        n,
-        BLOCK=POWER_BLOCK,
-        num_warps=4,
-        enable_fp_fusion=False,
+        spec, power, n, BLOCK=POWER_BLOCK, num_warps=4, enable_fp_fusion=False
     )
-    return power, frame_counts, starts
-
-
-def frame_mel_packed(
-    wave: torch.Tensor,
-    lengths: torch.Tensor,
-    noise: torch.Tensor | None,
-    dither: float,
-    preemph: float,
-    window: torch.Tensor,
-    hop: int,
-    n_fft: int,
-    rows: torch.Tensor,
-    mel: MelTiles,
-    begin: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """frame_power_packed's power projected on the mel basis `mel` in the same kernel that
-    squares the spectrum: the mel energies (sum(rows), F) float32, the frames and the starts.
-    The power is never written out, and each row's products skip the basis's zero blocks; the
-    sums run in another order than a matrix product's (float32 rounding)."""
-    spec, total, frame_counts, starts = _packed_spectrum(
-        wave, lengths, noise, dither, preemph, window, hop, n_fft, rows, begin
-    )
-    if spec.shape[-1] != mel.bins:
-        raise ValueError(f"the mel basis has {mel.bins} bins, the spectrum {spec.shape[-1]}")
-    out = torch.empty(total, mel.n_mels, dtype=torch.float32, device=wave.device)
-    _power_mel_kernel[(max(triton.cdiv(total, MEL_BLOCK_R), 1),)](
-        torch.view_as_real(spec),
-        mel.weights,
-        mel.k_blocks,
-        out,
-        total,
-        mel.bins,
-        mel.n_mels,
-        BLOCK_R=MEL_BLOCK_R,
-        BLOCK_K=MEL_BLOCK_K,
-        BLOCK_M=MEL_BLOCK_M,
-        M_BLOCKS=mel.k_blocks.shape[1],
-        num_warps=4,
-    )
-    return out, frame_counts, starts
+    return power, frame_counts, layout[0]
 
 
 def power_spectrum_cuda(

@@ -289,14 +289,14 @@ def _banded_basis(n_mels: int, bins: int) -> torch.Tensor:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("basis", ["librosa", "banded"])
 def test_power_and_mel_kernel_matches_the_matrix_product(device, basis):
-    """frame_mel_packed (the power squared and projected in one kernel, skipping the basis's
-    zero blocks) against frame_power_packed's power times the basis, and against a float64
+    """frame_power_packed with a mel basis (the power squared and projected in one kernel,
+    skipping the basis's zero blocks) against its power times the basis, and against a float64
     oracle: the baseline's mel basis, and a made-up one with a block of mels that is zero
     throughout and a filter on the Nyquist bin. The CPU case runs Triton's interpreter."""
     pytest.importorskip("triton")
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from rnnt.kernels.frames import frame_mel_packed, frame_power_packed, mel_tiles
+    from rnnt.kernels.frames import frame_power_packed, mel_tiles
 
     gen = torch.Generator().manual_seed(10)
     hop, n_fft = 160, 512
@@ -309,7 +309,9 @@ def test_power_and_mel_kernel_matches_the_matrix_product(device, basis):
     to = {"device": device}
     args = (wave.to(**to), lengths.to(**to), None, 0.0, 0.97, hann_window(400).to(**to), hop)
     power, frames, starts = frame_power_packed(*args, n_fft, rows)
-    got, got_frames, got_starts = frame_mel_packed(*args, n_fft, rows, mel_tiles(weights, device))
+    got, got_frames, got_starts = frame_power_packed(
+        *args, n_fft, rows, mel=mel_tiles(weights, device)
+    )
     assert torch.equal(got_frames, frames) and torch.equal(got_starts, starts)
     got, power = got.cpu(), power.cpu()
     assert got.shape == (int(rows.sum()), weights.shape[0])
