@@ -1,4 +1,4 @@
-"""Triton framing and power of a trimmed waveform batch: the middle of
+"""Triton framing, power and mel product of a trimmed waveform batch: the middle of
 `rnnt.data.features.FeatureExtractor` on a GPU, with the same numbers.
 
 The reference adds the dither, applies the pre-emphasis and the length mask, builds a
@@ -6,21 +6,19 @@ reflect-padded copy of the batch, multiplies every frame by the window into a (B
 tensor, which the FFT pads again to (B, T, n_fft), and squares the spectrum's real and imaginary
 parts in passes of their own: some fifteen kernels and several copies of the batch. Here one
 kernel writes each frame, windowed and zero-padded to n_fft, straight from the trimmed samples
-(and the dither's noise), the FFT runs on it as before, and one kernel squares the spectrum.
-The samples can stay where the trim found them (`begin`): the feature stage then skips the
-trim's copy of the batch.
+(and the dither's noise), the FFT runs on it as before, and one kernel squares the spectrum,
+or squares it and multiplies it by the mel basis. The samples can stay where the trim found
+them (`begin`): the feature stage then skips the trim's copy of the batch.
 
 Every sample is computed as the reference computes it: the same operations in the same order,
 in float32, with the compiler's fusion of a multiply and an add into one rounding turned off.
 So the power of every real frame equals the reference's bit for bit (the FFT gets the same
-input). Frames past an utterance's `num_frames` are zero here (the reference leaves finite
-values there that mean nothing), which saves their reads: random batches are about a third
-padding.
+input); the mel product's sums run in another order than the reference's matrix product.
 
-The frames can also be packed (`frame_power_packed`): each utterance gets only as many rows as
-its host-side bound on its frames, one after the other, instead of the batch's longest. The
-FFT, the power and the mel product then skip most of the padding as well; the feature stage
-bounds each utterance's frames from its length before resampling, which the host has.
+The frames are packed: each utterance gets only the rows of its bound on its frames, one
+after the other, instead of the batch's longest (random batches are about a third padding).
+The feature stage bounds them on the host, from each utterance's length and speed before
+resampling (`rnnt.data.features.frames_bound`); rows past an utterance's own frames are zero.
 """
 
 from __future__ import annotations
@@ -181,11 +179,17 @@ def frame_power_packed(
     begin: torch.Tensor | None = None,
     mel: MelTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The power spectrum of `power_spectrum_cuda`, packed: utterance b's frames in rows
+    """wave (B, S) float32 on a GPU, zero past lengths (B,) int64; noise (B, S) or None -> the
+    power spectrum of `wave + dither * noise` after pre-emphasis, as FeatureExtractor computes
+    it with `preemphasis` and `power_spectrum`, packed: utterance b's frames in rows
     starts[b] .. starts[b] + rows[b] - 1 of one (sum(rows), n_fft // 2 + 1) float32 tensor.
+    With `begin` (B,) int64, row b's samples are wave[b, begin[b] :][: lengths[b]] (a trimmed
+    region read where it lies, rather than shifted to the start first), and the noise's stay
+    at noise[b, : lengths[b]].
 
     rows (B,) int64 on the host: the rows each utterance gets, at least its number of frames
-    (1 + lengths // hop; a row past them is zero). Returns the power, the frames (B,) int64 and
+    (1 + lengths // hop; a row past them is zero; every row at 1 + S // hop is the
+    reference's padded layout). Returns the power, the frames (B,) int64 and
     the starts (B,) int64, both on the GPU; sync-free. The FFT runs over the total rounded up
     to FFT_FRAME_BUCKET frames per utterance, so that batches of nearby totals share a plan.
 
@@ -264,29 +268,3 @@ def frame_power_packed(
         spec, power, n, BLOCK=POWER_BLOCK, num_warps=4, enable_fp_fusion=False
     )
     return power, frame_counts, layout[0]
-
-
-def power_spectrum_cuda(
-    wave: torch.Tensor,
-    lengths: torch.Tensor,
-    noise: torch.Tensor | None,
-    dither: float,
-    preemph: float,
-    window: torch.Tensor,
-    hop: int,
-    n_fft: int,
-    begin: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """wave (B, S) float32 on a GPU, zero past lengths (B,) int64; noise (B, S) or None ->
-    (power (B, T, n_fft // 2 + 1) float32, frames (B,) int64), T = 1 + S // hop: the power
-    spectrum of `wave + dither * noise` after pre-emphasis, as FeatureExtractor computes it with
-    `preemphasis` and `power_spectrum`; sync-free. With `begin` (B,) int64, row b's samples are
-    wave[b, begin[b] :][: lengths[b]] (a trimmed region read where it lies, rather than
-    shifted to the start first), and the noise's stay at noise[b, : lengths[b]]."""
-    batch, width = wave.shape
-    t_max = width // hop + 1
-    rows = torch.full((batch,), t_max, dtype=torch.int64)
-    power, frames, _ = frame_power_packed(
-        wave, lengths, noise, dither, preemph, window, hop, n_fft, rows, begin
-    )
-    return power.view(batch, t_max, -1), frames

@@ -181,6 +181,19 @@ def test_trim_kernel_equals_the_reference(device, scan, monkeypatch):
     assert got_lens[8] > 3 * TRIM_WINDOW
 
 
+def _padded_power(wave, lengths, noise, dither, coeff, window, hop, n_fft, begin=None):
+    """rnnt.kernels.frames' power in the reference's padded layout: every utterance given the
+    batch's 1 + S // hop rows, (B, T, bins)."""
+    from rnnt.kernels.frames import frame_power_packed
+
+    batch, t_max = wave.shape[0], wave.shape[1] // hop + 1
+    rows = torch.full((batch,), t_max, dtype=torch.int64)
+    power, frames, _ = frame_power_packed(
+        wave, lengths, noise, dither, coeff, window, hop, n_fft, rows, begin
+    )
+    return power.view(batch, t_max, -1), frames
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dither,win", [(0.0, 320), (1e-5, 320), (1e-5, 400)])
 @pytest.mark.parametrize("in_place", [False, True], ids=["shifted", "in_place"])
@@ -194,8 +207,6 @@ def test_framing_kernel_gives_the_references_power_bit_for_bit(device, dither, w
     pytest.importorskip("triton")
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from rnnt.kernels.frames import power_spectrum_cuda
-
     gen = torch.Generator().manual_seed(4)
     hop, n_fft, coeff = 160, 512, 0.97
     lengths = torch.tensor([16000, 15999, 3000, 201, 161, 150, 7, 1])
@@ -215,7 +226,7 @@ def test_framing_kernel_gives_the_references_power_bit_for_bit(device, dither, w
         for row, (b, n) in enumerate(zip(begin.tolist(), lengths.tolist(), strict=True)):
             stored[row, b : b + n] = wave[row, :n]
         begin = begin.to(**to)
-    got, frames = power_spectrum_cuda(
+    got, frames = _padded_power(
         stored.to(**to),
         lengths.to(**to),
         noise.to(**to) if dither else None,
@@ -246,7 +257,7 @@ def test_packed_frames_equal_the_padded_ones(device):
     pytest.importorskip("triton")
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from rnnt.kernels.frames import frame_power_packed, power_spectrum_cuda
+    from rnnt.kernels.frames import frame_power_packed
 
     gen = torch.Generator().manual_seed(6)
     hop, n_fft, coeff, dither = 160, 512, 0.97, 1e-5
@@ -261,7 +272,7 @@ def test_packed_frames_equal_the_padded_ones(device):
     rows[4] = real[4] - 2  # too few
     to = {"device": device}
     args = (wave.to(**to), lengths.to(**to), noise.to(**to), dither, coeff, window.to(**to))
-    padded, padded_frames = power_spectrum_cuda(*args, hop, n_fft)
+    padded, padded_frames = _padded_power(*args, hop, n_fft)
     packed, frames, starts = frame_power_packed(*args, hop, n_fft, rows)
     packed, frames, starts, padded = packed.cpu(), frames.cpu(), starts.cpu(), padded.cpu()
     assert packed.shape == (int(rows.sum()), n_fft // 2 + 1)
@@ -357,7 +368,7 @@ def test_batches_of_nearby_lengths_share_one_fft_plan():
     pytest.importorskip("triton")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from rnnt.kernels.frames import FFT_FRAME_BUCKET, power_spectrum_cuda
+    from rnnt.kernels.frames import FFT_FRAME_BUCKET
 
     cache = torch.backends.cuda.cufft_plan_cache[torch.cuda.current_device()]
     cache.clear()
@@ -367,7 +378,7 @@ def test_batches_of_nearby_lengths_share_one_fft_plan():
         width = (t_max - 1) * hop
         wave = torch.randn(3, width, device="cuda")
         lengths = torch.tensor([width, width // 2, 5], device="cuda")
-        power, _ = power_spectrum_cuda(wave, lengths, None, 0.0, 0.97, window, hop, 512)
+        power, _ = _padded_power(wave, lengths, None, 0.0, 0.97, window, hop, 512)
         shapes.add(tuple(power.shape))
     assert len(shapes) == 8 and cache.size == 1
 
