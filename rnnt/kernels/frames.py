@@ -112,6 +112,7 @@ def _power_mel_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     M_BLOCKS: tl.constexpr,
+    PRECISION: tl.constexpr,  # "tf32x3" (tensor cores from Ampere on) or "ieee" (FMAs)
 ):
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     kk = tl.arange(0, BLOCK_K)
@@ -127,7 +128,7 @@ def _power_mel_kernel(
             re = tl.load(src, mask=inside, other=0.0)
             im = tl.load(src + 1, mask=inside, other=0.0)
             w = tl.load(weights_ptr + (kb * BLOCK_K + kk[:, None]) * m_stride + j * BLOCK_M + mm)
-            acc = tl.dot(re * re + im * im, w, acc, input_precision="tf32x3")
+            acc = tl.dot(re * re + im * im, w, acc, input_precision=PRECISION)
         m = j * BLOCK_M + mm[None, :]
         tl.store(out_ptr + r * n_mels + m, acc, mask=(r < rows) & (m < n_mels))
 
@@ -164,6 +165,15 @@ def mel_tiles(basis: torch.Tensor, device: torch.device | str = "cpu") -> MelTil
             k_blocks[0, j] = int(used[0]) // MEL_BLOCK_K
             k_blocks[1, j] = int(used[-1]) // MEL_BLOCK_K + 1
     return MelTiles(weights.to(device), k_blocks.to(device), n_mels, bins)
+
+
+def _mel_precision(device: torch.device) -> str:
+    """Three TF32 products on tensor cores where the GPU has them (compute capability 8 on),
+    which keeps float32's accuracy; float32 FMAs elsewhere (older GPUs, Triton's interpreter),
+    which are slower than the power kernel then cuBLAS (docs/PERFORMANCE.md)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
+        return "tf32x3"
+    return "ieee"
 
 
 def frame_power_packed(
@@ -259,6 +269,7 @@ def frame_power_packed(
             BLOCK_K=MEL_BLOCK_K,
             BLOCK_M=MEL_BLOCK_M,
             M_BLOCKS=mel.k_blocks.shape[1],
+            PRECISION=_mel_precision(wave.device),
             num_warps=4,
         )
         return out, frame_counts, layout[0]
