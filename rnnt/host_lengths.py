@@ -38,7 +38,8 @@ def to_device(
 ) -> torch.Tensor:
     """Host integers -> a device tensor, copied without blocking the host."""
     # One pinned buffer (so the copy does not block the host) per call: callers put all their
-    # small host arrays in one list, as each pinning costs ~0.1-0.5 ms of host time.
+    # small host arrays in one list, as each pinning is a host allocation of its own
+    # (docs/PERFORMANCE.md, "Numbers the code's comments used to quote").
     host = torch.empty(len(values), dtype=dtype, pin_memory=device.type == "cuda")
     host.numpy()[:] = values
     return host.to(device, non_blocking=True)

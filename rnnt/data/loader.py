@@ -235,7 +235,8 @@ class AudioDataset(Dataset):
         if rate != cfg.sample_rate or speed != 1.0:
             if samples.dtype == np.int16:
                 samples = samples.astype(np.float32) / 32768
-            # soxr: 0.8 s of torch sinc taps per 12 s utterance become about 2 ms
+            # soxr, a polyphase resampler in C, rather than the float64 reference's sinc taps,
+            # which a worker's one core could not keep up with (docs/PERFORMANCE.md)
             samples = soxr.resample(samples, rate, cfg.sample_rate / speed, quality="HQ")
         if samples.dtype != np.int16:
             samples = np.ascontiguousarray(samples, dtype=np.float32)
@@ -518,8 +519,8 @@ class DaliFileSource:
     """Encoded bytes and speeds of a batch for the DALI pipeline; names bad files.
 
     The files of a batch are read by `threads` threads: DALI calls its source on the thread
-    that runs the pipeline, and one thread reading 192 files of 12 s one after another took
-    56 ms on a 2-core machine, enough to cap DALI near 3,400 utterances per second."""
+    that runs the pipeline, and one thread reading a batch's files one after another capped
+    DALI's rate (docs/PERFORMANCE.md, "Input pipeline on real audio")."""
 
     def __init__(
         self,

@@ -10,7 +10,8 @@ clip), keep (0 on a skipped step) and the bias corrections bc1 = 1 - b1^t, bc2 =
     u <- m / (sqrt(v / bc2) + eps) / bc1 + weight_decay w          (written over g)
 
 That is four reads and three writes of the buffers, where the eleven PyTorch elementwise ops
-it replaces make about thirteen passes (about 1 ms of a 49M-parameter step on an H200).
+it replaces make about thirteen passes (what that cost: docs/PERFORMANCE.md, "Numbers the
+code's comments used to quote").
 Division and square root are IEEE round-to-nearest, as in PyTorch, so both paths agree to an
 ulp or so.
 """

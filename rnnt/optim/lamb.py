@@ -326,8 +326,9 @@ class Lamb(torch.optim.Optimizer):
             scale = trust * group["lr"]
             if keep is not None:
                 scale = scale * keep
-            # Per-tensor scales applied to the views: repeat_interleave to a per-element (n,)
-            # scale cost 9 ms per step for the 49M model on an H200 (an index search + gather).
+            # Per-tensor scales applied to the views: a per-element (n,) scale made with
+            # repeat_interleave costs an index search and a gather over every element
+            # (docs/PERFORMANCE.md, "Numbers the code's comments used to quote").
             torch._foreach_mul_(update.split(flat.sizes), list(scale.unbind()))
             w.sub_(update)
             torch._foreach_copy_(list(params), flat.views(w))

@@ -5,12 +5,12 @@ A split is `<dataset_dir>/<split>/.../<dir>/` directories, each holding `*.trans
 Every problem becomes a `Problem` naming the file (and line) it comes from; the utterance is
 excluded and counted, never dropped silently. The caller decides whether problems are fatal.
 
-Audio checks cost (measured on one core, 15 s 16 kHz FLAC): the header read behind the
-duration is ~0.06 ms per file; the default truncation check decodes the last 4096 samples of a
-FLAC (~0.13 ms; a cut FLAC cannot seek to its tail) and compares a WAV's declared `data` chunk
-size with the file size (libsndfile silently shortens a cut WAV, so its frame count cannot be
-trusted); `full_decode` decodes every sample (~3.4 ms per file, about 4,400x real time, so
-~13 core-minutes for 960 h) and also catches corruption inside the file.
+The audio checks: the header read behind the duration; by default a truncation check, which
+decodes the last 4096 samples of a FLAC (a cut FLAC cannot seek to its tail) and compares a
+WAV's declared `data` chunk size with the file size (libsndfile silently shortens a cut WAV,
+so its frame count cannot be trusted); `full_decode` decodes every sample, which also catches
+corruption inside the file and costs far more (per-file costs: docs/PERFORMANCE.md, "Numbers
+the code's comments used to quote").
 """
 
 from __future__ import annotations
