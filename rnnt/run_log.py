@@ -11,7 +11,8 @@ record of the run's implementation choices (rnnt.backends):
     {"kind": "train", "time": 1714000000.1, "step": 120, "epoch": 2, "loss": 48.2, "lr": 0.0031,
      "utts_per_s": 1520.4, "step_ms": 126.3, "window_steps": 10, "data_wait_share": 0.01,
      "peak_memory_gib": 61.2, "mfu": 0.212, "loss_scale": 512.0, "skipped_steps": 0}
-    (and "dropped_utterances" under data.skip_bad)
+    (and "dropped_utterances" under data.skip_bad; from the torch loader, the parts of the data
+    wait: "data_wait_workers_share", "data_wait_queueing_share", "data_wait_stage_share")
     {"kind": "eval", "time": ..., "epoch": 2, "step": 542, "wer": 0.284, "utterances": 2703,
      "seconds": 1.9}
 
@@ -44,6 +45,18 @@ def _json_value(value):
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     return value
+
+
+# what each part of a torch loader's wait is, in the log line (rnnt.data.loader.LoaderTime)
+_WAIT_PART_NAMES = {"workers": "workers", "queueing": "queueing the stage", "stage": "the stage"}
+
+
+def _wait_parts(shares: dict[str, float] | None) -> str:
+    """' (workers 0.4%, queueing the stage 1.1%, the stage 6.0%)', or '' without parts."""
+    if not shares:
+        return ""
+    named = (f"{_WAIT_PART_NAMES.get(name, name)} {share:.1%}" for name, share in shares.items())
+    return f" ({', '.join(named)})"
 
 
 class RunLog:
@@ -139,7 +152,7 @@ class RunLog:
             f"loss {loss:.4f}",
             f"lr {lr:.3e}",
             f"{window.utts_per_s:.1f} utt/s ({window.step_ms:.1f} ms/step)",
-            f"data wait {window.data_wait_share:.1%}",
+            f"data wait {window.data_wait_share:.1%}" + _wait_parts(window.data_wait_parts),
         ]
         if window.peak_memory_gib is not None:
             parts.append(f"peak mem {window.peak_memory_gib:.1f} GiB")
@@ -151,6 +164,7 @@ class RunLog:
         if dropped_utterances is not None:
             parts.append(f"dropped utterances {dropped_utterances}")
         self._print(" | ".join(parts))
+        parts = window.data_wait_parts or {}
         fields = dict(
             step=step,
             epoch=epoch,
@@ -160,6 +174,7 @@ class RunLog:
             step_ms=window.step_ms,
             window_steps=window.steps,
             data_wait_share=window.data_wait_share,
+            **{f"data_wait_{name}_share": share for name, share in parts.items()},
             peak_memory_gib=window.peak_memory_gib,
             mfu=window.mfu,
             alloc_retries=window.alloc_retries,

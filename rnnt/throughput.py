@@ -7,7 +7,9 @@ log point's one host sync; the next window starts at that same instant, so windo
 epoch and their times add up to the wall clock.
 
 Per window: utterances per second, the mean step time, the share of the window the loop spent
-waiting for the data loader, the peak GPU memory, the caching allocator's retries (each one a
+waiting for the data loader (and, from a loader that times its parts, the shares of those
+parts: the torch loader's workers, queueing its GPU stage, waiting for that stage), the peak
+GPU memory, the caching allocator's retries (each one a
 cudaMalloc that failed, after which the allocator freed its cache and synchronized: memory
 pressure that slows the step and that a run's peak memory does not show), and the model FLOP
 utilisation against a stated peak (`rnnt.flops`).
@@ -16,6 +18,7 @@ utilisation against a stated peak (`rnnt.flops`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,18 +36,28 @@ class WindowStats:
     peak_memory_gib: float | None
     mfu: float | None
     alloc_retries: int | None = None
+    data_wait_parts: dict[str, float] | None = None  # shares of the window, by part
 
 
 class ThroughputWindow:
     """Counts steps, utterances, data waits and model FLOPs between synchronized ends.
 
     peak_flops: the FLOP/s that MFU is relative to (None: MFU is not reported).
+    wait_parts: the loader's cumulative seconds by part of its wait (None where it keeps none;
+    rnnt.data.loader.TrainLoader.data_wait_parts), read at each window's ends.
     """
 
-    def __init__(self, device: torch.device, peak_flops: float | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        peak_flops: float | None = None,
+        wait_parts: Callable[[], dict[str, float] | None] | None = None,
+    ) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.peak_flops = peak_flops
+        self.wait_parts = wait_parts or (lambda: None)
+        self._parts_before = self.wait_parts()
         self._start = 0.0
         self._retries_before = self.alloc_retries()
         self._reset_counts()
@@ -73,6 +86,7 @@ class ThroughputWindow:
 
     def _begin(self, now: float) -> None:
         self._start = now
+        self._parts_before = self.wait_parts()
         self._reset_counts()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -92,6 +106,9 @@ class ThroughputWindow:
         seconds = max(now - self._start, 1e-9)
         peak_mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None
         retries = self.alloc_retries()
+        parts, before, shares = self.wait_parts(), self._parts_before, None
+        if parts is not None and before is not None:
+            shares = {name: (spent - before[name]) / seconds for name, spent in parts.items()}
         stats = WindowStats(
             steps=self.steps,
             utterances=self.utterances,
@@ -103,6 +120,7 @@ class ThroughputWindow:
             peak_memory_gib=peak_mem,
             mfu=None if self.peak_flops is None else self.flops / seconds / self.peak_flops,
             alloc_retries=None if retries is None else retries - self._retries_before,
+            data_wait_parts=shares,
         )
         self._retries_before = retries
         self._begin(now)

@@ -186,7 +186,11 @@ class Trainer:
         self.skipped_in_a_row = torch.zeros((), dtype=torch.int64, device=ctx.device)
         peak, peak_source = peak_flops(ctx.device, cfg.training.peak_tflops)
         # the window counts every rank's utterances and FLOPs: so is the peak they are held to
-        self.window = ThroughputWindow(ctx.device, peak * ctx.world_size if peak else None)
+        self.window = ThroughputWindow(
+            ctx.device,
+            peak * ctx.world_size if peak else None,
+            getattr(self.train_loader, "data_wait_parts", None),
+        )
         per_rank = f" per process x {ctx.world_size}" if ctx.world_size > 1 else ""
         self.log.info(
             "MFU against "

@@ -40,11 +40,13 @@ and dither do not depend on the number of workers, and a resumed run repeats the
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -278,6 +280,18 @@ class _KeyedBatches:
             epoch, start = epoch + 1, 0
 
 
+@dataclasses.dataclass
+class LoaderTime:
+    """Host seconds a torch loader has spent, since it was built, on what the training loop's
+    wait for a batch is made of: waiting for the workers' next batch, queueing a batch's GPU
+    feature stage (its kernels' launches), and waiting for a queued stage to end (the
+    lengths' copy). The trainer's log splits its data wait into these."""
+
+    workers: float = 0.0
+    queueing: float = 0.0
+    stage: float = 0.0
+
+
 class TorchFeatureLoader:
     """The torch-native backend (see the module docstring for where the work runs)."""
 
@@ -297,6 +311,7 @@ class TorchFeatureLoader:
         data = cfg.data
         self.device = device
         self.assembler = assembler
+        self.time = LoaderTime()
         self.unreadable = unreadable
         self.on_device = data.device == "gpu"
         perturb_on_device = train and data.resampling_device == "gpu"
@@ -381,7 +396,12 @@ class TorchFeatureLoader:
         for _ in range(start, len(self.keyed)):
             # the batch to hand out, and the `prefetch` after it, are queued (GPU: launched)
             while read < len(self.keyed) and len(queued) <= self.prefetch:
-                queued.append(self._queue(next(self.ahead)))
+                asked = time.perf_counter()
+                raw = next(self.ahead)
+                got = time.perf_counter()
+                queued.append(self._queue(raw))
+                self.time.workers += got - asked
+                self.time.queueing += time.perf_counter() - got
                 read += 1
                 self.at = (epoch, read) if read < len(self.keyed) else (epoch + 1, 0)
             yield self._hand_over(queued.popleft())
@@ -442,7 +462,9 @@ class TorchFeatureLoader:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         host_lens, done = pending
         if done is not None:
+            waited = time.perf_counter()
             done.synchronize()  # the stage's whole stream up to the lengths' copy
+            self.time.stage += time.perf_counter() - waited
             # the consumer frees these tensors on its own stream, so the allocator must not
             # recycle them until that stream is done with them
             consumer = torch.cuda.current_stream(self.device)
@@ -690,6 +712,11 @@ class TrainLoader:
     def dropped_utterances(self) -> int:
         """Utterances this rank's batches left out because their audio could not be read."""
         return self.backend.dropped_utterances
+
+    def data_wait_parts(self) -> dict[str, float] | None:
+        """The torch backend's LoaderTime so far, as seconds by name; None for the others."""
+        spent = getattr(self.backend, "time", None)
+        return dataclasses.asdict(spent) if isinstance(spent, LoaderTime) else None
 
     def warm_up(self) -> None:
         """The backend's kernel builds and first allocations, on stand-in data (see

@@ -314,6 +314,27 @@ def test_batched_device_path_matches_per_utterance_path(corpus):
         assert b.feats.shape[2] == int(b.feat_lens.max())
 
 
+def test_the_training_loader_times_the_parts_of_its_wait(corpus):
+    """The torch loader keeps how long the training loop's waits took in each part: the
+    workers' batches, queueing the feature stage, waiting for a queued stage. With the stage on
+    the CPU (no side stream) it runs while being queued and nothing is left to wait for; with
+    the features made in the workers, queueing is only the hand-over."""
+    utts, _, root = corpus
+    on_device = build_loader(_cfg(device="gpu"), utts, root, train=True, device="cpu")
+    assert on_device.data_wait_parts() == {"workers": 0.0, "queueing": 0.0, "stage": 0.0}
+    batches = _batches(on_device)
+    parts = on_device.data_wait_parts()
+    assert len(batches) == len(on_device) and set(parts) == {"workers", "queueing", "stage"}
+    # the workers' part (here in this process: num_threads 0) reads the audio; queueing
+    # computes the stage's features (speed perturbation, trim, STFT, normalization)
+    assert parts["workers"] > 0 and parts["queueing"] > parts["workers"] / 10
+    assert parts["stage"] == 0.0
+    in_workers = build_loader(_cfg(), utts, root, train=True, device="cpu")
+    _batches(in_workers)
+    parts = in_workers.data_wait_parts()
+    assert parts["workers"] > 0 and parts["stage"] == 0.0
+
+
 def test_files_at_other_rates_are_converted(corpus, tmp_path):
     utts, _, root = corpus
     samples, _ = read_audio(str(root / utts[0].audio))

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import subprocess
 import sys
@@ -138,6 +139,23 @@ def test_the_run_record_and_the_dropped_utterances(tmp_path, capsys):
         "resumed": False,
     }
     assert train["dropped_utterances"] == 2
+
+
+def test_the_parts_of_the_data_wait(tmp_path, capsys):
+    """From the torch loader, the data wait's parts follow its share on the line and go into
+    the record each under its own key."""
+    stats = dataclasses.replace(
+        window(), data_wait_parts={"workers": 0.001, "queueing": 0.0025, "stage": 0.0061}
+    )
+    with RunLog(tmp_path, is_main=True) as log:
+        log.step(step=3, epoch=1, loss=9.5, lr=1e-3, loss_scale=1.0, skipped_steps=0, window=stats)
+    line = capsys.readouterr().out
+    assert "| data wait 1.0% (workers 0.1%, queueing the stage 0.2%, the stage 0.6%) |" in line
+    (train,) = read_metrics(tmp_path / METRICS_FILE)
+    assert train["data_wait_workers_share"] == 0.001
+    assert train["data_wait_queueing_share"] == 0.0025
+    assert train["data_wait_stage_share"] == 0.0061
+    assert "data_wait_parts" not in train
 
 
 def test_non_finite_values_stay_valid_json(tmp_path):

@@ -31,6 +31,26 @@ def test_windows_tile_the_wall_clock_and_count_what_happened():
     assert first.peak_memory_gib is None and first.alloc_retries is None  # no GPU
 
 
+def test_the_loaders_wait_parts_are_shares_of_each_window():
+    """A loader that times the parts of its wait (cumulative seconds by name): each window gets
+    the part of them spent since its start, as shares of its own length; none without one."""
+    spent = {"workers": 0.5, "queueing": 0.0, "stage": 1.0}
+    window = ThroughputWindow(torch.device("cpu"), wait_parts=lambda: dict(spent))
+    window.start()
+    time.sleep(0.02)
+    spent["workers"] += 0.004
+    spent["stage"] += 0.01
+    first = window.close()
+    assert first.data_wait_parts["workers"] == pytest.approx(0.004 / first.seconds)
+    assert first.data_wait_parts["stage"] == pytest.approx(0.01 / first.seconds)
+    assert first.data_wait_parts["queueing"] == 0.0
+    time.sleep(0.01)
+    assert window.close().data_wait_parts == {"workers": 0.0, "queueing": 0.0, "stage": 0.0}
+    bare = ThroughputWindow(torch.device("cpu"))
+    bare.start()
+    assert bare.close().data_wait_parts is None
+
+
 def test_no_peak_means_no_mfu():
     window = ThroughputWindow(torch.device("cpu"))
     window.start()
