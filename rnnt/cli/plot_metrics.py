@@ -130,7 +130,15 @@ def summary(name: str, records: list[dict]) -> str:
             f"last epoch's median step {statistics.median(last):.2f} ms over {len(last)} windows"
         )
     if waits:
-        parts.append(f"median data wait {100 * statistics.median(waits):.1f}%")
+        # with the torch loader's parts of it (rnnt.data.loader.LoaderTime), each its median
+        split = []
+        for part in ("workers", "queueing", "stage"):
+            shares = [r.get(f"data_wait_{part}_share") for r in steady]
+            shares = [share for share in shares if _is_number(share)]
+            if shares:
+                split.append(f"{part} {100 * statistics.median(shares):.1f}%")
+        of_which = f" ({', '.join(split)})" if split else ""
+        parts.append(f"median data wait {100 * statistics.median(waits):.1f}%{of_which}")
     first = train[0] if train else {}
     if _is_number(first.get("step_ms")) and _is_number(first.get("data_wait_share")):
         parts.append(

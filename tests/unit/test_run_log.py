@@ -323,3 +323,7 @@ def test_the_summary_gives_the_last_epochs_steady_state():
     assert "last epoch's median step 116.00 ms over 3 windows" in line
     assert "last epoch" not in summary("real", records[:4])
     assert summary("none", []) == "none: 0 log points"
+    assert "median data wait 10.0%," in line  # no parts without the torch loader's
+    for record, stage in zip(records, (0.5, 0.04, 0.3, 0.06, 0.5, 0.05, 0.07, 0.05)):
+        record.update(data_wait_workers_share=0.01, data_wait_stage_share=stage)
+    assert "median data wait 10.0% (workers 1.0%, stage 5.5%)," in summary("real", records)
