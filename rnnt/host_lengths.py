@@ -34,9 +34,10 @@ def check_host_lens(host_lens: HostLens, bsz: int, t_max: int, u_max: int) -> tu
 
 
 def to_device(
-    values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int32
+    values: Sequence[float] | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.int32
 ) -> torch.Tensor:
-    """Host integers -> a device tensor, copied without blocking the host."""
+    """Host numbers (integers: lengths; the feature stage's speed ratios too) -> a device
+    tensor of `dtype`, copied without blocking the host."""
     # One pinned buffer (so the copy does not block the host) per call: callers put all their
     # small host arrays in one list, as each pinning is a host allocation of its own
     # (docs/PERFORMANCE.md, "Numbers the code's comments used to quote").

@@ -49,6 +49,7 @@ from torch import nn
 
 from rnnt.config import FeaturesConfig
 from rnnt.errors import UserError
+from rnnt.host_lengths import to_device
 
 TRIM_WINDOW = 2048  # samples per short-term power window of the silence trim
 NORM_EPSILON = 1e-5  # added to the variance of each mel bin
@@ -354,10 +355,8 @@ class FeatureExtractor(nn.Module):
                 speeds = draw_speeds(cfg, wave.shape[0], generator)
             ratio = 1.0 / speeds.to(torch.float64)
             on_host = ratio.device.type == "cpu" and wave.is_cuda
-            # from pinned memory, so that the host does not wait for this stream's work
-            device_ratio = (
-                ratio.pin_memory().to(wave.device, non_blocking=True) if on_host else ratio
-            )
+            # an upload that the host does not wait for (behind this stream's work)
+            device_ratio = to_device(ratio, wave.device, torch.float64) if on_host else ratio
             wave, lengths = resample(wave, lengths, device_ratio, ratio_range, kernels)
             if not on_host:  # the ratios are on the GPU: bound by the largest
                 ratio = ratio_range[1]

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rnnt.host_lengths import to_device
+
 FRAMES_PER_PROGRAM = 8
 POWER_BLOCK = 1024
 # The FFT runs over a frame count rounded up to this many, so that the batches of a run, whose
@@ -224,11 +226,8 @@ def frame_power_packed(
     bucket = FFT_FRAME_BUCKET * batch
     fft_rows = max(triton.cdiv(total, bucket), 1) * bucket
     starts = torch.cumsum(rows, 0) - rows
-    # one upload of both, from pinned memory: the copy queues behind this stream's work and
-    # the host does not wait for it
-    layout = torch.stack([starts, rows])
-    if wave.is_cuda:
-        layout = layout.pin_memory().to(wave.device, non_blocking=True)
+    # one upload of both, which the host does not wait for
+    layout = to_device(torch.cat([starts, rows]), wave.device, torch.int64).view(2, batch)
     frames = torch.empty(fft_rows, n_fft, dtype=torch.float32, device=wave.device)
     frames[total:].zero_()  # the bucket's rows past the utterances': transformed, never read
     _frames_kernel[(batch, triton.cdiv(max(int(rows.max()), 1), FRAMES_PER_PROGRAM))](
