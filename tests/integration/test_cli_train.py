@@ -251,6 +251,10 @@ def test_skip_bad_trains_on_the_rest_and_counts(
     assert "epoch 1 step 6 " in captured.out
     last = [r for r in read_metrics(tmp_path / "out" / METRICS_FILE) if r["kind"] == "train"][-1]
     assert last["step"] == 6 and last["dropped_utterances"] == 1
+    # the torch loader's parts of the data wait reach the line and the record
+    assert "| data wait " in captured.out and "% (workers " in captured.out
+    parts = ("data_wait_workers_share", "data_wait_queueing_share", "data_wait_stage_share")
+    assert all(0 <= last[key] <= last["data_wait_share"] + 1e-9 for key in parts)
 
 
 def test_a_run_without_target_runs_every_epoch_and_exits_0(capsys, tiny_sets, tmp_path, corpus):
