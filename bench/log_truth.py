@@ -3,7 +3,9 @@
 Every train record of `metrics.jsonl` gives the utterances per second of the window since the
 previous record (`window_steps` steps, `utts_per_s`, `step_ms`), and its `time` stamp. Within an
 epoch, consecutive stamps are one window apart, so the wall clock gives the same throughput a
-second way: utterances of the window / (time - previous time). The first window of each epoch
+second way: utterances of the window / (time - previous time). (On a GPU a record is written
+once the next step is queued, when its own step has ended: its stamp lags that end by however
+long the host took to get there, which the median absorbs.) The first window of each epoch
 follows the evaluation and is left out. Prints one line per epoch and the median ratio of
 logged to wall-clock throughput; exits 1 when it is off by more than --tolerance.
 

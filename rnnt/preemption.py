@@ -3,8 +3,9 @@
 SIGTERM (what a cluster sends before it kills a job, and what torchrun forwards) and SIGUSR1
 (what SLURM sends ahead of the time limit with `sbatch --signal=USR1@120`) only set a flag here:
 a signal can arrive in the middle of a CUDA call or a collective, where nothing may be saved.
-The trainer asks `requested_anywhere` at its log points, which already synchronize with the host:
-all ranks agree there, save one consistent checkpoint and leave with EXIT_PREEMPTED, which a
+The trainer sums every rank's flag with its log point's other numbers (one collective queued
+with the step, read once the next step is queued): all ranks learn it at the same log point,
+save one consistent checkpoint at that step boundary and leave with EXIT_PREEMPTED, which a
 launcher reads as "requeue me and pass --resume"; rank 0 also leaves PREEMPTED_MARKER in
 output_dir, which says the same where the exit status gets lost.
 """
@@ -14,8 +15,6 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-
-from rnnt.distributed import DistContext, any_rank
 
 # sysexits.h's EX_TEMPFAIL: a temporary failure, the user is invited to retry
 EXIT_PREEMPTED = 75
@@ -68,7 +67,3 @@ class PreemptionFlag:
     @property
     def requested(self) -> bool:
         return self.signal is not None
-
-    def requested_anywhere(self, ctx: DistContext) -> bool:
-        """True on every rank when any rank received a signal (a collective and a host sync)."""
-        return any_rank(self.requested, ctx)

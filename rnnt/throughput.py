@@ -1,10 +1,14 @@
 """Throughput between log points, measured against the device.
 
 The training step queues work and returns long before the GPU has run it, so a host clock read
-right after a step measures how fast the host queues, not how fast the GPU trains. A window here
-ends only after the device has finished everything queued in it (a synchronize), which is the
-log point's one host sync; the next window starts at that same instant, so windows tile the
-epoch and their times add up to the wall clock.
+right after a step measures how fast the host queues, not how fast the GPU trains. On a GPU a
+window's ends are CUDA events recorded in the step's stream: its length is the time between
+them on the device's clock, idle time included. The host never waits for the device to drain:
+a window is closed when the log point's step is queued and read once the step after it is
+queued too, so the GPU is never left without work while the host prints and fetches the next
+batch (a device synchronize there cost every log point the time to queue the next step, and
+the real-audio step's feature stage more than a synthetic batch's). Windows tile the epoch and
+their times add up to the wall clock. Off CUDA the ends are host clock readings.
 
 Per window: utterances per second, the mean step time, the share of the window the loop spent
 waiting for the data loader (and, from a loader that times its parts, the shares of those
@@ -39,8 +43,53 @@ class WindowStats:
     data_wait_parts: dict[str, float] | None = None  # shares of the window, by part
 
 
+class ClosedWindow:
+    """A window whose end is queued on the device; `stats` waits for that end alone (not for
+    anything queued after it) and gives its numbers."""
+
+    def __init__(
+        self,
+        start: torch.cuda.Event | float,
+        end: torch.cuda.Event | float,
+        counts: dict,
+        peak_flops: float | None,
+    ) -> None:
+        self.start, self.end = start, end
+        self.counts = counts
+        self.peak_flops = peak_flops
+        self._stats: WindowStats | None = None
+
+    def seconds(self) -> float:
+        if isinstance(self.end, float):
+            return max(self.end - self.start, 1e-9)
+        self.end.synchronize()
+        return max(self.start.elapsed_time(self.end) / 1e3, 1e-9)
+
+    def stats(self) -> WindowStats:
+        if self._stats is None:
+            c, seconds = self.counts, self.seconds()
+            spent = c["wait_parts_spent"]
+            self._stats = WindowStats(
+                steps=c["steps"],
+                utterances=c["utterances"],
+                seconds=seconds,
+                data_wait_seconds=c["data_wait"],
+                utts_per_s=c["utterances"] / seconds,
+                step_ms=1e3 * seconds / max(c["steps"], 1),
+                data_wait_share=c["data_wait"] / seconds,
+                peak_memory_gib=c["peak_memory_gib"],
+                mfu=None if self.peak_flops is None else c["flops"] / seconds / self.peak_flops,
+                alloc_retries=c["alloc_retries"],
+                data_wait_parts=None
+                if spent is None
+                else {name: part / seconds for name, part in spent.items()},
+            )
+        return self._stats
+
+
 class ThroughputWindow:
-    """Counts steps, utterances, data waits and model FLOPs between synchronized ends.
+    """Counts steps, utterances, data waits and model FLOPs between ends marked in the device's
+    queue.
 
     peak_flops: the FLOP/s that MFU is relative to (None: MFU is not reported).
     wait_parts: the loader's cumulative seconds by part of its wait (None where it keeps none;
@@ -58,7 +107,7 @@ class ThroughputWindow:
         self.peak_flops = peak_flops
         self.wait_parts = wait_parts or (lambda: None)
         self._parts_before = self.wait_parts()
-        self._start = 0.0
+        self._start: torch.cuda.Event | float = 0.0
         self._retries_before = self.alloc_retries()
         self._reset_counts()
 
@@ -74,18 +123,23 @@ class ThroughputWindow:
             return None
         return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
-    def _sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+    def _mark(self) -> torch.cuda.Event | float:
+        """This point of the device's queue (CUDA: an event in the current stream)."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def start(self) -> None:
         """Begin a window after whatever ran before (evaluation, a checkpoint) has finished."""
-        self._sync()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
         self._retries_before = self.alloc_retries()  # what ran before is not this window's
-        self._begin(time.perf_counter())
+        self._begin(self._mark())
 
-    def _begin(self, now: float) -> None:
-        self._start = now
+    def _begin(self, start: torch.cuda.Event | float) -> None:
+        self._start = start
         self._parts_before = self.wait_parts()
         self._reset_counts()
         if self.cuda:
@@ -99,32 +153,31 @@ class ThroughputWindow:
         self.utterances += utterances
         self.flops += flops
 
-    def close(self) -> WindowStats:
-        """End the window once the device is idle; the next window starts now."""
-        self._sync()
-        now = time.perf_counter()
-        seconds = max(now - self._start, 1e-9)
-        peak_mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None
+    def close(self) -> ClosedWindow:
+        """End the window after the work queued so far, without waiting for it; the next
+        window starts there. The memory peak and the allocator's retries are the host's
+        count of the allocations queued in the window."""
+        end = self._mark()
         retries = self.alloc_retries()
-        parts, before, shares = self.wait_parts(), self._parts_before, None
+        parts, before = self.wait_parts(), self._parts_before
+        spent = None
         if parts is not None and before is not None:
-            shares = {name: (spent - before[name]) / seconds for name, spent in parts.items()}
-        stats = WindowStats(
+            spent = {name: seconds - before[name] for name, seconds in parts.items()}
+        counts = dict(
             steps=self.steps,
             utterances=self.utterances,
-            seconds=seconds,
-            data_wait_seconds=self.data_wait,
-            utts_per_s=self.utterances / seconds,
-            step_ms=1e3 * seconds / max(self.steps, 1),
-            data_wait_share=self.data_wait / seconds,
-            peak_memory_gib=peak_mem,
-            mfu=None if self.peak_flops is None else self.flops / seconds / self.peak_flops,
+            flops=self.flops,
+            data_wait=self.data_wait,
+            peak_memory_gib=torch.cuda.max_memory_allocated(self.device) / 2**30
+            if self.cuda
+            else None,
             alloc_retries=None if retries is None else retries - self._retries_before,
-            data_wait_parts=shares,
+            wait_parts_spent=spent,
         )
+        closed = ClosedWindow(self._start, end, counts, self.peak_flops)
         self._retries_before = retries
-        self._begin(now)
-        return stats
+        self._begin(end)
+        return closed
 
 
 class StepParts:

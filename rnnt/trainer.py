@@ -41,6 +41,7 @@ from rnnt.distributed import (
 )
 from rnnt.evaluation import DTYPES, EvalResult, build_decoder, detokenizer, evaluate
 from rnnt.flops import peak_flops, step_flops
+from rnnt.host_lengths import to_device
 from rnnt.loss import TransducerLoss
 from rnnt.mlperf import MLPerfLogger
 from rnnt.model import RNNT, gradient_buckets
@@ -52,11 +53,23 @@ from rnnt.preemption import Preempted, PreemptionFlag
 from rnnt.profiling import StepProfiler
 from rnnt.run_log import RunLog
 from rnnt.seeds import rank_seeds
-from rnnt.throughput import StepParts, ThroughputWindow
+from rnnt.throughput import ClosedWindow, StepParts, ThroughputWindow
 
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+@dataclass
+class _LogPoint:
+    """A training log point whose numbers are still on their way from the device."""
+
+    step: int
+    epoch: int
+    lr: float
+    values: torch.Tensor  # host: loss, loss scale, skipped steps, skipped in a row[, flags]
+    window: ClosedWindow
+    local_flags: list[float] | None  # this rank's flags where no other rank's exist
 
 
 @dataclass
@@ -191,6 +204,7 @@ class Trainer:
             peak * ctx.world_size if peak else None,
             getattr(self.train_loader, "data_wait_parts", None),
         )
+        self._log_points: list[_LogPoint] = []
         per_rank = f" per process x {ctx.world_size}" if ctx.world_size > 1 else ""
         self.log.info(
             "MFU against "
@@ -442,48 +456,80 @@ class Trainer:
             parts.mark("end")
         return loss_sum / len(micro)
 
-    def _check_nonfinite(self, in_a_row: int) -> None:
+    def _check_nonfinite(self, in_a_row: int, step: int) -> None:
         limit = self.cfg.training.max_consecutive_nonfinite
         if in_a_row >= limit:
             raise NonFiniteLossError(
-                f"step {self.progress.step}: {in_a_row} consecutive steps with a non-finite "
+                f"step {step}: {in_a_row} consecutive steps with a non-finite "
                 f"loss or gradient (limit training.max_consecutive_nonfinite={limit}); "
                 "the run stops"
             )
 
-    def _log_point(self, loss: torch.Tensor, lr: float) -> None:
-        """Read the step's scalars (the loop's one host sync), close the throughput window,
-        print and record; stop the run after too many non-finite steps in a row."""
-        values = torch.stack(
-            [
-                loss.detach().double().reshape(()),
-                self.scaler.scale.double(),
-                self.skipped_total.double(),
-                self.skipped_in_a_row.double(),
-            ]
-        ).tolist()
-        window = self.window.close()
-        loss_value, scale, skipped_total, in_a_row = values
-        self.log.step(
-            step=self.progress.step,
-            epoch=self.progress.epoch,
-            loss=loss_value,
-            lr=lr,
-            loss_scale=scale,
-            skipped_steps=int(skipped_total),
-            window=window,
-            dropped_utterances=self._dropped_utterances(),
+    def _queue_log_point(self, loss: torch.Tensor, lr: float) -> None:
+        """Close the throughput window after this step and queue the copy of its scalars to
+        the host, without waiting for the device: `_read_log_points` prints them once the next
+        step is queued too, so that the GPU has work while the host logs and fetches the next
+        batch."""
+        scalars = [
+            loss.detach().double().reshape(()),
+            self.scaler.scale.double(),
+            self.skipped_total.double(),
+            self.skipped_in_a_row.double(),
+        ]
+        local = self._rank_flags()
+        if self.ctx.enabled and local is not None:  # every rank learns every rank's
+            shared = all_reduce_sum(to_device(local, self.ctx.device, torch.float64), self.ctx)
+            scalars += shared.unbind()
+            local = None
+        values = torch.stack(scalars)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
+        host.copy_(values, non_blocking=True)  # before the window's end in the same stream
+        self._log_points.append(
+            _LogPoint(self.progress.step, self.progress.epoch, lr, host, self.window.close(), local)
         )
-        self._check_nonfinite(int(in_a_row))
 
-    def _dropped_utterances(self) -> int | None:
-        """Under data.skip_bad: the utterances every rank's batches have left out so far
-        because their audio could not be read (a collective); None otherwise."""
-        if not self.cfg.data.skip_bad:
+    def _rank_flags(self) -> list[float] | None:
+        """This rank's [preemption signal, utterances dropped for unreadable audio]; None
+        where neither is watched."""
+        if self.preemption is None and not self.cfg.data.skip_bad:
             return None
-        mine = self.train_loader.dropped_utterances
-        count = torch.tensor([float(mine)], device=self.ctx.device)
-        return int(all_reduce_sum(count, self.ctx).item())
+        requested = self.preemption is not None and self.preemption.requested
+        dropped = self.train_loader.dropped_utterances if self.cfg.data.skip_bad else 0
+        return [float(requested), float(dropped)]
+
+    def _read_log_points(self, before_step: int | None = None) -> None:
+        """Print the queued log points of steps before `before_step` (all: None), waiting for
+        each one's step to end on the device; stop the run after too many non-finite steps
+        in a row, or at a preemption signal on any rank."""
+        while self._log_points and (before_step is None or self._log_points[0].step < before_step):
+            point = self._log_points.pop(0)
+            window = point.window.stats()  # its step's end, and so the scalars' copy
+            loss, scale, skipped_total, in_a_row, *summed = point.values.tolist()
+            # [ranks with a preemption signal, utterances dropped], where either is watched
+            flags = point.local_flags or summed or [0.0, 0.0]
+            self.log.step(
+                step=point.step,
+                epoch=point.epoch,
+                loss=loss,
+                lr=point.lr,
+                loss_scale=scale,
+                skipped_steps=int(skipped_total),
+                window=window,
+                dropped_utterances=int(flags[1]) if self.cfg.data.skip_bad else None,
+            )
+            self._check_nonfinite(int(in_a_row), point.step)
+            if flags[0] > 0:
+                self._read_log_points()
+                self._stop_preempted()
+
+    def _stop_preempted(self) -> None:
+        """A rank got a preemption signal (every rank learns it at the same log point): every
+        rank saves its part of one checkpoint at this step boundary, waits for the others,
+        and the run stops (train.py exits with EXIT_PREEMPTED)."""
+        path = self.save()
+        barrier(self.ctx)
+        self.log.info(f"preempted: saved {path} at step {self.progress.step}; stopping")
+        raise Preempted(str(path))
 
     def train_epoch(self) -> None:
         cfg, ctx = self.cfg, self.ctx
@@ -497,6 +543,7 @@ class Trainer:
         )
         self.window.start()
         loss = lr = None
+        defer = ctx.device.type == "cuda"
         while True:
             self.profiler.before_step(self.progress.step + 1)
             waited = time.perf_counter()
@@ -512,13 +559,16 @@ class Trainer:
             self._say(self.profiler.after_step(self.progress.step))
             self.window.add_step(len(batch) * ctx.world_size, self.last_step_flops * ctx.world_size)
             if self.progress.step % log_every == 0:
-                self._log_point(loss, lr)
-                self._stop_if_preempted()
+                self._queue_log_point(loss, lr)
+            # on a GPU a log point is read once the next step is queued; off it, the step
+            # has run by the time train_step returns, and its numbers are read at once
+            self._read_log_points(before_step=self.progress.step if defer else None)
             every = cfg.training.checkpoint_every_steps
             if every and self.progress.step % every == 0:
                 self.save(background=True)
         if self.window.steps:  # the epoch's last, shorter window
-            self._log_point(loss, lr)
+            self._queue_log_point(loss, lr)
+        self._read_log_points()
 
     def _read_dev_set_ahead(self) -> None:
         """Start the dev set's first pass halfway through the first epoch: begun at the first
@@ -532,17 +582,6 @@ class Trainer:
     def _say(self, line: str | None) -> None:
         if line is not None:
             self.log.info(line)
-
-    def _stop_if_preempted(self) -> None:
-        """At a step boundary: when any rank got a preemption signal, every rank saves its part
-        of one checkpoint, waits for the others, and the run stops (train.py exits with
-        EXIT_PREEMPTED)."""
-        if self.preemption is None or not self.preemption.requested_anywhere(self.ctx):
-            return
-        path = self.save()
-        barrier(self.ctx)
-        self.log.info(f"preempted: saved {path} at step {self.progress.step}; stopping")
-        raise Preempted(str(path))
 
     def run_eval(self) -> EvalResult:
         with torch.no_grad():

@@ -8,6 +8,7 @@ what NCCL refuses, so only the GPU runs prove the NCCL paths.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -231,6 +232,29 @@ def test_sigusr1_to_the_workers_stops_them_with_the_requeue_status(corpus, tmp_p
     ]
     model, ranks = final_state(out)
     assert len(ranks) == 2 and model["progress"]["step"] >= 2
+
+
+@pytest.mark.parametrize("launch", [CPU2, CUDA2], indirect=True)
+def test_the_log_counts_the_utterances_every_rank_dropped(corpus, tmp_path, launch):
+    """Under data.skip_bad each rank drops the undecodable utterances of its own batches; the
+    log line counts all ranks' (a collective queued with the log point, read one step on)."""
+    garbage = corpus["root"] / f"garbage_{tmp_path.name}.flac"
+    garbage.write_bytes(b"fLaC" + bytes(range(256)) * 8)  # passes the preflight, decodes not
+    try:
+        records = (corpus["root"] / "train.jsonl").read_text().splitlines()
+        for i in range(0, len(records), 8):  # 6 of 48, spread over both ranks' shards
+            records[i] = records[i].replace(json.loads(records[i])["audio"], garbage.name)
+        manifest = tmp_path / "train.jsonl"
+        manifest.write_text("\n".join(records) + "\n")
+        out = tmp_path / "run"
+        extra = ("data.skip_bad=true", f"data.train_manifests=[{manifest}]")
+        proc = run(train_command(2, *sets(corpus, out, 4, *extra), device=launch[0]))
+    finally:
+        garbage.unlink()
+    assert "target NOT reached" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    steps = [r for r in read_metrics(out / METRICS_FILE) if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    assert steps[-1]["dropped_utterances"] == 6
 
 
 @pytest.mark.parametrize("launch", [CPU2, CUDA2], indirect=True)

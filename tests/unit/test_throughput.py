@@ -16,10 +16,10 @@ def test_windows_tile_the_wall_clock_and_count_what_happened():
         window.waited_for_data(0.001)
         time.sleep(0.01)
         window.add_step(utterances=8, flops=2_000_000)
-    first = window.close()
+    first = window.close().stats()
     time.sleep(0.02)
     window.add_step(utterances=8, flops=0)
-    second = window.close()
+    second = window.close().stats()
     elapsed = time.perf_counter() - t0
     assert (first.steps, first.utterances, second.steps, second.utterances) == (3, 24, 1, 8)
     assert first.seconds >= 0.03 and second.seconds >= 0.02
@@ -40,27 +40,28 @@ def test_the_loaders_wait_parts_are_shares_of_each_window():
     time.sleep(0.02)
     spent["workers"] += 0.004
     spent["stage"] += 0.01
-    first = window.close()
+    first = window.close().stats()
     assert first.data_wait_parts["workers"] == pytest.approx(0.004 / first.seconds)
     assert first.data_wait_parts["stage"] == pytest.approx(0.01 / first.seconds)
     assert first.data_wait_parts["queueing"] == 0.0
     time.sleep(0.01)
-    assert window.close().data_wait_parts == {"workers": 0.0, "queueing": 0.0, "stage": 0.0}
+    assert window.close().stats().data_wait_parts == {"workers": 0.0, "queueing": 0.0, "stage": 0.0}
     bare = ThroughputWindow(torch.device("cpu"))
     bare.start()
-    assert bare.close().data_wait_parts is None
+    assert bare.close().stats().data_wait_parts is None
 
 
 def test_no_peak_means_no_mfu():
     window = ThroughputWindow(torch.device("cpu"))
     window.start()
     window.add_step(1, 10)
-    assert window.close().mfu is None
+    assert window.close().stats().mfu is None
 
 
 @pytest.mark.gpu
-def test_a_window_ends_when_the_gpu_has_finished_its_work():
-    """The host queues a second of GPU work in far less; the window must still last it."""
+def test_a_window_ends_when_the_gpu_has_finished_its_work_without_waiting_for_it():
+    """The host queues far more GPU work than it takes to queue: closing the window returns at
+    once, the GPU still busy, and the window lasts until the GPU finished that work."""
     a = torch.randn(4096, 4096, device="cuda")
     window = ThroughputWindow(torch.device("cuda"))
     window.start()
@@ -71,10 +72,33 @@ def test_a_window_ends_when_the_gpu_has_finished_its_work():
         a = torch.tanh(a @ a)
     end.record()
     window.add_step(1, 0)
-    stats = window.close()
+    closed = window.close()
+    assert not torch.cuda.current_stream().query()  # still running: close() did not sync
+    stats = closed.stats()
     gpu_seconds = start.elapsed_time(end) * 1e-3
     assert stats.seconds >= gpu_seconds
     assert stats.peak_memory_gib > 0
+
+
+@pytest.mark.gpu
+def test_a_windows_time_holds_the_gpus_idle_time_and_the_windows_tile_the_wall_clock():
+    """The GPU idles while the host sleeps between steps: that time belongs to the window, as
+    in a host-clock measurement, and consecutive windows add up to the wall clock."""
+    a = torch.randn(2048, 2048, device="cuda")
+    window = ThroughputWindow(torch.device("cuda"))
+    window.start()
+    t0 = time.perf_counter()
+    closed = []
+    for _ in range(3):
+        a = torch.tanh(a @ a)
+        time.sleep(0.05)
+        window.add_step(1, 0)
+        closed.append(window.close())
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    seconds = [c.stats().seconds for c in closed]
+    assert all(s >= 0.05 for s in seconds[1:])
+    assert sum(seconds) == pytest.approx(elapsed, abs=5e-3)
 
 
 @pytest.mark.gpu
@@ -107,8 +131,8 @@ def test_a_window_counts_the_allocators_retries_in_it():
         del cached  # 1.2 GiB stays in the cache: 2.7 GiB would pass the 2 GiB allowed
         bigger = torch.empty(1500 << 20, dtype=torch.uint8, device=device)
         del bigger
-        first = window.close()
-        second = window.close()
+        first = window.close().stats()
+        second = window.close().stats()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.empty_cache()
