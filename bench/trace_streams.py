@@ -8,7 +8,11 @@ pipeline's feature stage) is cut into bursts at gaps longer than --gap-ms, and e
 
 - its span, from its first start to its last end, and its busy time;
 - the busy time of the step's stream inside that span;
-- the time it ran alone, while the step's stream ran nothing (also per stream).
+- the time it ran while the step's stream ran nothing (also per stream);
+- the time it ran alone on the GPU, while no other stream ran anything (also per stream).
+  A replayed CUDA graph runs its branches on streams of their own, so the step's work is not
+  all on its busiest stream: time "without the step's stream" may still have the step's
+  kernels beside it, while time alone on the GPU has nothing.
 
 A burst whose span is much longer than its own busy time spent the rest waiting: its work was
 queued behind the step's kernels, or its launches came late. A burst that ran alone held the
@@ -114,6 +118,10 @@ def summarize(trace: dict, gap_ms: float = 2.0) -> dict:
             # its work while the step's stream ran nothing: time the step waited for it, or
             # that it filled while the step's stream was idle anyway
             entry["alone_ms"] = (busy[stream] - overlap(merged[stream], merged[step_stream])) / 1e3
+            others = union(
+                sorted(i for other, found in streams.items() if other != stream for i in found)
+            )
+            entry["alone_on_gpu_ms"] = (busy[stream] - overlap(merged[stream], others)) / 1e3
             entry["bursts"] = []
             for group in bursts(streams[stream], gap_ms * 1e3):
                 lo, hi = group[0][0], max(end for _, end in group)
@@ -128,6 +136,10 @@ def summarize(trace: dict, gap_ms: float = 2.0) -> dict:
                         "alone_ms": (
                             sum(end - start for start, end in own)
                             - overlap(own, merged[step_stream])
+                        )
+                        / 1e3,
+                        "alone_on_gpu_ms": (
+                            sum(end - start for start, end in own) - overlap(own, others)
                         )
                         / 1e3,
                     }
@@ -166,7 +178,12 @@ def main() -> None:
         f"{result['gpu_idle_ms']:.1f} ms; the step's stream: {result['step_stream']}"
     )
     for entry in result["streams"]:
-        alone = f", {entry['alone_ms']:.2f} ms of it alone" if "alone_ms" in entry else ""
+        alone = (
+            f", {entry['alone_ms']:.2f} ms of it without the step's stream, "
+            f"{entry['alone_on_gpu_ms']:.2f} ms alone on the GPU"
+            if "alone_ms" in entry
+            else ""
+        )
         print(
             f"stream {entry['stream']}: {entry['events']} events, {entry['busy_ms']:.2f} ms busy"
             + alone
@@ -175,7 +192,8 @@ def main() -> None:
             print(
                 f"  burst at {b['start_ms']:8.2f} ms: {b['events']:4d} events, span "
                 f"{b['span_ms']:6.2f} ms, busy {b['busy_ms']:5.2f} ms, the step's stream busy "
-                f"{b['step_busy_ms']:6.2f} ms of it, alone {b['alone_ms']:5.2f} ms"
+                f"{b['step_busy_ms']:6.2f} ms of it, without it {b['alone_ms']:5.2f} ms, alone "
+                f"on the GPU {b['alone_on_gpu_ms']:5.2f} ms"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

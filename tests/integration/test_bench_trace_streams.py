@@ -34,25 +34,33 @@ def _trace() -> dict:
         _kernel(20, 35_000, 36_000),
         _kernel(20, 36_500, 37_000, cat="gpu_memcpy"),
     ]
+    # a branch of a replayed graph, on a stream of its own, beside the side stream's kernel
+    branch = [_kernel(30, 35_500, 36_200)]
     host = [
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": -50_000, "dur": 500_000},
         {"ph": "i", "cat": "kernel", "name": "marker", "ts": 1, "args": {"stream": 7}},
     ]
-    return {"traceEvents": host + side[::-1] + step}
+    return {"traceEvents": host + side[::-1] + step + branch}
 
 
 def test_streams_bursts_and_idle_time_of_a_known_trace():
     result = summarize(_trace(), gap_ms=2.0)
     assert result["step_stream"] == 7
     assert result["window_ms"] == pytest.approx(100.0)
-    # idle: 30-35, 36-36.5 and 37-40 ms
-    assert result["gpu_idle_ms"] == pytest.approx(8.5)
-    step, side = result["streams"]
+    # idle: 30-35, 36.2-36.5 and 37-40 ms
+    assert result["gpu_idle_ms"] == pytest.approx(8.3)
+    step, side, branch = result["streams"]
+    assert (branch["stream"], branch["busy_ms"]) == (30, pytest.approx(0.7))
+    # the branch ran beside the side stream's kernel for 0.5 ms, with the step's stream idle
+    assert branch["alone_ms"] == pytest.approx(0.7)
+    assert branch["alone_on_gpu_ms"] == pytest.approx(0.2)
     assert (step["stream"], step["events"], step["busy_ms"]) == (7, 3, pytest.approx(90.0))
     assert "bursts" not in step
     assert (side["stream"], side["events"], side["busy_ms"]) == (20, 5, pytest.approx(4.0))
-    # alone: the kernel and the copy at 35-37 ms, in the step's stream's gap at 30-40 ms
+    # without the step's stream: the kernel and the copy at 35-37 ms, in its gap at 30-40
+    # ms; alone on the GPU 0.5 ms less, beside the graph's branch
     assert side["alone_ms"] == pytest.approx(1.5)
+    assert side["alone_on_gpu_ms"] == pytest.approx(1.0)
     first, second = side["bursts"]
     assert first == pytest.approx(
         {
@@ -62,6 +70,7 @@ def test_streams_bursts_and_idle_time_of_a_known_trace():
             "busy_ms": 2.5,
             "step_busy_ms": 4.0,
             "alone_ms": 0.0,
+            "alone_on_gpu_ms": 0.0,
         }
     )
     assert second == pytest.approx(
@@ -72,6 +81,7 @@ def test_streams_bursts_and_idle_time_of_a_known_trace():
             "busy_ms": 1.5,
             "step_busy_ms": 0.0,
             "alone_ms": 1.5,
+            "alone_on_gpu_ms": 1.0,
         }
     )
     # a gap of 0.75 ms cuts the first burst after its first kernel (1 ms), not after its
@@ -101,10 +111,15 @@ def test_command_line_reads_a_gzipped_trace(tmp_path, repo_root):
         cwd=repo_root,
     )
     assert done.returncode == 0, done.stderr
-    assert "GPU idle 8.5 ms; the step's stream: 7" in done.stdout
-    assert "stream 20: 5 events, 4.00 ms busy, 1.50 ms of it alone" in done.stdout
+    assert "GPU idle 8.3 ms; the step's stream: 7" in done.stdout
+    assert (
+        "stream 20: 5 events, 4.00 ms busy, 1.50 ms of it without the step's stream, "
+        "1.00 ms alone on the GPU"
+    ) in done.stdout
     assert "burst at    35.00 ms:    2 events, span   2.00 ms, busy  1.50 ms" in done.stdout
-    assert "the step's stream busy   0.00 ms of it, alone  1.50 ms" in done.stdout
+    assert (
+        "the step's stream busy   0.00 ms of it, without it  1.50 ms, alone on the GPU  1.00 ms"
+    ) in done.stdout
     assert json.loads(out.read_text())["streams"][1]["busy_ms"] == pytest.approx(4.0)
 
 
