@@ -325,11 +325,10 @@ class TorchFeatureLoader:
             if device.type == "cuda":
                 # Queued ahead, nothing waits for the stage, so it takes the lowest priority
                 # (the default, the step's own) and no longer goes ahead of the step's
-                # kernels; the wave kernels leave over half of the SMs free for it. Computed
-                # when asked for (no prefetch), the host waits for its lengths before it can
-                # queue the next step, so the stage takes the highest: at the default
-                # priority it ran after most of the step, and each step waited for the last
-                # one and the stage.
+                # kernels; it runs between and beside them. Computed when asked for (no
+                # prefetch), the host waits for its lengths before it can queue the next
+                # step, so the stage takes the highest: at the default priority it ran after
+                # most of the step, and each step waited for the last one and the stage.
                 priority = 0 if self.prefetch else HIGHEST_STREAM_PRIORITY
                 self.stream = torch.cuda.Stream(device, priority=priority)
         else:
