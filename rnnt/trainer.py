@@ -205,6 +205,10 @@ class Trainer:
             getattr(self.train_loader, "data_wait_parts", None),
         )
         self._log_points: list[_LogPoint] = []
+        # on a GPU a log point is read once the next step is queued, so that the GPU never runs
+        # dry while the host logs; off it the step has run by the time train_step returns, and
+        # its numbers are read at once
+        self.defer_log_reads = ctx.device.type == "cuda"
         per_rank = f" per process x {ctx.world_size}" if ctx.world_size > 1 else ""
         self.log.info(
             "MFU against "
@@ -543,7 +547,6 @@ class Trainer:
         )
         self.window.start()
         loss = lr = None
-        defer = ctx.device.type == "cuda"
         while True:
             self.profiler.before_step(self.progress.step + 1)
             waited = time.perf_counter()
@@ -560,9 +563,7 @@ class Trainer:
             self.window.add_step(len(batch) * ctx.world_size, self.last_step_flops * ctx.world_size)
             if self.progress.step % log_every == 0:
                 self._queue_log_point(loss, lr)
-            # on a GPU a log point is read once the next step is queued; off it, the step
-            # has run by the time train_step returns, and its numbers are read at once
-            self._read_log_points(before_step=self.progress.step if defer else None)
+            self._read_log_points(before_step=self.progress.step if self.defer_log_reads else None)
             every = cfg.training.checkpoint_every_steps
             if every and self.progress.step % every == 0:
                 self.save(background=True)

@@ -7,6 +7,7 @@ import importlib.util
 import logging
 import math
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from rnnt.checkpoint import CheckpointError
 from rnnt.config import load_config
 from rnnt.distributed import DistContext
 from rnnt.loss import TransducerLoss
+from rnnt.preemption import Preempted, PreemptionFlag
 from rnnt.run_log import read_metrics
 from rnnt.trainer import NonFiniteLossError, Trainer
 from tests.helpers import as_set_args, tiny_overrides, train_command
@@ -196,6 +198,61 @@ def test_repeated_nan_losses_stop_the_run_naming_the_step(corpus, tmp_path, monk
     with pytest.raises(NonFiniteLossError, match=r"step 3: 3 consecutive steps"):
         trainer.fit()
     assert int(trainer.skipped_total) == 3  # on a GPU, 4: it reads them with step 4 queued
+
+
+def _deferred(trainer: Trainer) -> list[tuple[int, int]]:
+    """Read the log points a step late, as on a GPU; the (line's step, steps taken) of each
+    line as it is printed."""
+    trainer.defer_log_reads = True
+    printed, real_line = [], trainer.log.step
+
+    def line(**fields):
+        printed.append((fields["step"], trainer.progress.step))
+        real_line(**fields)
+
+    trainer.log.step = line
+    return printed
+
+
+def test_a_deferred_log_point_prints_once_the_next_step_has_run(corpus, tmp_path):
+    trainer = Trainer(make_cfg(corpus, tmp_path / "run"), CPU)
+    printed = _deferred(trainer)
+    trainer.train_epoch()
+    assert printed == [(1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 6)]  # the last at the end
+
+
+def test_deferred_nan_limit_stops_one_step_after_its_line(corpus, tmp_path, monkeypatch):
+    trainer = Trainer(
+        make_cfg(corpus, tmp_path / "run", "training.max_consecutive_nonfinite=3"), CPU
+    )
+    printed = _deferred(trainer)
+    real_call = TransducerLoss.__call__
+    monkeypatch.setattr(
+        TransducerLoss, "__call__", lambda *args, **kwargs: real_call(*args, **kwargs) * math.nan
+    )
+    with pytest.raises(NonFiniteLossError, match=r"step 3: 3 consecutive steps"):
+        trainer.fit()
+    assert int(trainer.skipped_total) == 4 and printed[-1] == (3, 4)
+
+
+def test_a_deferred_preemption_saves_at_the_step_it_is_read(corpus, tmp_path):
+    """The signal arrives during step 2: log point 2 carries it, read once step 3 has run;
+    every line queued so far is printed, and the state saved is that after step 3."""
+    trainer = Trainer(make_cfg(corpus, tmp_path / "run"), CPU)
+    printed = _deferred(trainer)
+    trainer.preemption = PreemptionFlag()
+    real_step = trainer.train_step
+
+    def step(batch, lr):
+        if trainer.progress.step == 1:
+            trainer.preemption.signal = signal.SIGTERM
+        return real_step(batch, lr)
+
+    trainer.train_step = step
+    with pytest.raises(Preempted, match="ckpt_e0_s3"):
+        trainer.train_epoch()
+    assert printed == [(1, 2), (2, 3), (3, 3)] and trainer.progress.step == 3
+    assert (tmp_path / "run" / "checkpoints" / "ckpt_e0_s3").is_dir()
 
 
 @pytest.mark.gpu
