@@ -5,7 +5,7 @@ right after a step measures how fast the host queues, not how fast the GPU train
 window's ends are CUDA events recorded in the step's stream: its length is the time between
 them on the device's clock, idle time included. The host never waits for the device to drain:
 a window is closed when the log point's step is queued and read once the step after it is
-queued too, so the GPU is never left without work while the host prints and fetches the next
+queued too, so the GPU has that step to run while the host prints and fetches the next
 batch (a device synchronize there cost every log point the time to queue the next step, and
 the real-audio step's feature stage more than a synthetic batch's). Windows tile the epoch and
 their times add up to the wall clock. Off CUDA the ends are host clock readings.

@@ -349,7 +349,7 @@ def test_logged_throughput_matches_the_gpus_clock_and_the_wall_clock(tmp_path):
     its own, idle time included: it equals the time between events the test records itself
     after each step, and the epoch's windows add up to its wall clock. Measuring before the
     log point's sync (an old bug) gave 3-5x too many utt/s at log_frequency 1. A line is
-    printed once the next step is queued, the GPU never idle while the host logs. (The lines'
+    printed once the next step is queued, the GPU busy with it while the host logs. (The lines'
     own timestamps are when the host got to them: this eager step at batch 64 queues more
     kernels than CUDA's launch queue holds, so the host runs in step with the GPU.)"""
     from rnnt.distributed import init_distributed
