@@ -15,9 +15,11 @@ lengths from half the width to all of it), timed with CUDA events, medians of th
   and without the speed perturbation with its Triton kernels on and off;
 - the power and the mel product in one kernel against the power's kernel and cuBLAS;
 - the resampler at each launch shape (output samples per program x warps, the shapes taking
-  turns), the default marked.
+  turns), the default marked;
+- with --profile, the whole stage's kernels as the loader runs it, each one's GPU time a batch
+  (torch.profiler over the repeats), longest first.
 
-    python bench/feature_stage.py [--batch 192] [--seconds 16.7] [--repeats 10]
+    python bench/feature_stage.py [--batch 192] [--seconds 16.7] [--repeats 10] [--profile]
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=192)
     parser.add_argument("--seconds", type=float, default=16.7)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--profile", action="store_true", help="the stage's kernels, timed")
     args = parser.parse_args()
     cfg = FeaturesConfig()
     width = round(args.seconds * cfg.sample_rate)
@@ -133,6 +136,8 @@ def main() -> None:
         f"the slowest speed), {padded_stage:.2f} ms with the lengths on the GPU (every "
         f"utterance framed to the longest)"
     )
+    if args.profile:
+        profile_stage(lambda: extractor(pcm, host_lengths, stage_gen, host_speeds), args.repeats)
     # without the speed perturbation, whose float64 reference would dwarf the rest
     unperturbed = FeatureExtractor(cfg, train=True, speed_perturb=False).cuda()
     with_kernels = time_ms(lambda: unperturbed(pcm, lengths, stage_gen), args.repeats)
@@ -199,6 +204,28 @@ def main() -> None:
             f"  {block:4d} samples x {warps} warps: {statistics.median(ms):7.2f} ms{mark}"
             f"{'' if same else ', NOT the default launch output'}"
         )
+
+
+def profile_stage(stage, repeats: int) -> None:
+    """Each kernel of `stage` (a callable), its GPU time a call, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    stage()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            stage()
+        torch.cuda.synchronize()
+    kernels: dict[str, tuple[float, int]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        total, count = kernels.get(event.name, (0.0, 0))
+        kernels[event.name] = (total + event.device_time_total / 1000, count + 1)
+    print(f"the stage's kernels as the loader runs it, GPU ms a batch ({repeats} batches):")
+    for name, (total, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {total / repeats:7.3f} ms  {count / repeats:4.1f} a batch  {name[:90]}")
+    print(f"  {sum(t for t, _ in kernels.values()) / repeats:7.3f} ms  in all")
 
 
 if __name__ == "__main__":
