@@ -61,11 +61,13 @@ def _frames_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     batch = tl.num_programs(0).to(tl.int64)
-    t = tl.program_id(1).to(tl.int64) * FRAMES + tl.arange(0, FRAMES)[:, None]
+    # positions within a row and frames within an utterance are int32 (a row is far below 2^31
+    # samples); the per-element arithmetic in int64 took two instructions an operation
+    t = tl.program_id(1) * FRAMES + tl.arange(0, FRAMES)[:, None]
     k = tl.arange(0, N_FFT)[None, :]
-    length = tl.load(lengths_ptr + row)
+    length = tl.load(lengths_ptr + row).to(tl.int32)
     out_start = tl.load(layout_ptr + row)
-    out_rows = tl.load(layout_ptr + batch + row)
+    out_rows = tl.load(layout_ptr + batch + row).to(tl.int32)
     last = tl.maximum(length - 1, 0)
     # the sample frame t reads at k, mirrored at the start and past the utterance's last sample
     # (numpy "reflect"), as power_spectrum's padded copy holds it
@@ -76,18 +78,20 @@ def _frames_kernel(
     inside = (k < WIN) & (t <= length // HOP) & (q < length)
     has_prev = inside & (q >= 1)
     base = row * width
-    samples = wave_ptr + base + q
+    row_samples = wave_ptr + base
     if HAS_BEGIN:
-        samples += tl.load(begin_ptr + row)
+        row_samples += tl.load(begin_ptr + row)
+    samples = row_samples + q
     x = tl.load(samples, mask=inside, other=0.0)
     x_prev = tl.load(samples - 1, mask=has_prev, other=0.0)
     if HAS_DITHER:
-        x = x + dither * tl.load(noise_ptr + base + q, mask=inside, other=0.0)
-        x_prev = x_prev + dither * tl.load(noise_ptr + base + q - 1, mask=has_prev, other=0.0)
+        noise = noise_ptr + base + q
+        x = x + dither * tl.load(noise, mask=inside, other=0.0)
+        x_prev = x_prev + dither * tl.load(noise - 1, mask=has_prev, other=0.0)
     y = tl.where(q >= 1, x - coeff * x_prev, x)
     window = tl.load(window_ptr + k, mask=k < WIN, other=0.0)
     frame = tl.where(inside, y * window, 0.0)
-    tl.store(out_ptr + (out_start + t) * N_FFT + k, frame, mask=t < out_rows)
+    tl.store(out_ptr + out_start * N_FFT + (t * N_FFT + k), frame, mask=t < out_rows)
 
 
 @triton.jit(do_not_specialize=["n"])
