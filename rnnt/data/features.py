@@ -152,8 +152,9 @@ def resample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Windowed-sinc resampling with a per-utterance ratio (out rate / in rate).
 
-    wave (B, S) float, lengths (B,) int64, ratio (B,) float64 inside ratio_range = (lo, hi),
-    which fixes the output width and tap count without reading `ratio` back (sync-free).
+    wave (B, S) float, or int16 PCM (sample / 32768), lengths (B,) int64, ratio (B,) float64
+    inside ratio_range = (lo, hi), which fixes the output width and tap count without reading
+    `ratio` back (sync-free).
     Returns (B, ceil(S * hi)) and the output lengths ceil(lengths * ratio).
 
     This is the reference; float32 batches on a GPU run rnnt.kernels.resample, which computes
@@ -166,13 +167,15 @@ def resample(
     lo, hi = ratio_range
     out_width = math.ceil(width * hi)
     half = math.ceil(RESAMPLE_LOBES / min(1.0, lo))  # the lowest ratio needs the widest kernel
-    if use_kernel and wave.is_cuda and wave.dtype == torch.float32:
+    if use_kernel and wave.is_cuda and wave.dtype in (torch.float32, torch.int16):
         from rnnt.kernels.resample import resample_cuda
 
         return (
             resample_cuda(wave, lengths, out_lens, ratio, out_width, half, RESAMPLE_LOBES),
             out_lens,
         )
+    if wave.dtype == torch.int16:
+        wave = wave * (1.0 / 32768)
     cutoff = torch.clamp(ratio, max=1.0)  # (B,) low-pass at the lower Nyquist rate
     taps = torch.arange(-half + 1, half + 1, device=device, dtype=torch.float64)
     out = torch.zeros(batch, out_width, dtype=wave.dtype, device=device)
@@ -342,12 +345,16 @@ class FeatureExtractor(nn.Module):
         speeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        # int16 rows are PCM samples (rnnt.data.features.read_audio(pcm16=True)), converted and
-        # scaled in one pass (the product of int16 and a float is float32, exactly)
-        wave = wave * (1.0 / 32768) if wave.dtype == torch.int16 else wave.float()
         host_lengths = lengths.to(torch.int64) if lengths.device.type == "cpu" else None
         lengths = lengths.to(device=wave.device, dtype=torch.int64, non_blocking=True)
         kernels = self.use_kernels and wave.is_cuda
+        # int16 rows are PCM samples (rnnt.data.features.read_audio(pcm16=True)), converted and
+        # scaled in one pass (the product of int16 and a float is float32, exactly); the
+        # resampler's kernel reads them as they are, and converts each tap the same way
+        if wave.dtype == torch.int16 and not (self.speed_perturb and kernels):
+            wave = wave * (1.0 / 32768)
+        elif wave.dtype != torch.int16:
+            wave = wave.float()
         ratio: float | torch.Tensor = 1.0  # of each output's length to its input's, at most
         if self.speed_perturb:
             ratio_range = (1.0 / cfg.speed_perturbation_max, 1.0 / cfg.speed_perturbation_min)

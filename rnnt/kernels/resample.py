@@ -15,6 +15,10 @@ per-row tables; the envelope's cosine comes from the same identity. Only t = 0 b
 0, where sinc divides by it: that tap is sin(pi c f) / (pi c f) itself, while every other tap
 has |x| >= 1/2, so the difference of products keeps float32's absolute accuracy and 1/x may
 be the hardware's approximate one (a few 1e-7 relative).
+
+The input may be int16 PCM: its taps are converted and scaled by 2^-15 as they are read,
+which gives the float32 of `wave * (1 / 32768)` exactly, without a float32 copy of the batch
+(twice the int16's bytes written, then read at every tap).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ NUM_WARPS = 4
 # pipeline for a second or more in its first batches.
 @triton.jit(do_not_specialize=["width", "out_width"])
 def _resample_kernel(
-    wave_ptr,  # (B, width) float32
+    wave_ptr,  # (B, width) float32, or int16 PCM (PCM16)
     lengths_ptr,  # (B,) int64: valid input samples per row
     out_lengths_ptr,  # (B,) int64: valid output samples per row
     ratio_ptr,  # (B,) float64: output rate / input rate
@@ -45,6 +49,7 @@ def _resample_kernel(
     HALF: tl.constexpr,
     LOBES: tl.constexpr,
     BLOCK: tl.constexpr,
+    PCM16: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     first_n = tl.program_id(1).to(tl.int64) * BLOCK
@@ -55,7 +60,17 @@ def _resample_kernel(
     # padding, and the taps are the kernel's whole cost
     if first_n < out_length:
         acc = _resample_block(
-            wave_ptr, lengths_ptr, ratio_ptr, table_ptr, row, n, out_length, width, HALF, LOBES
+            wave_ptr,
+            lengths_ptr,
+            ratio_ptr,
+            table_ptr,
+            row,
+            n,
+            out_length,
+            width,
+            HALF,
+            LOBES,
+            PCM16,
         )
     tl.store(out_ptr + row * out_width + n, tl.where(n < out_length, acc, 0.0), mask=n < out_width)
 
@@ -80,6 +95,7 @@ def _resample_block(
     width,
     HALF: tl.constexpr,
     LOBES: tl.constexpr,
+    PCM16: tl.constexpr,
 ):
     """(BLOCK,) float32 resampled samples at output positions n of `row` (see the module)."""
     ratio = tl.load(ratio_ptr + row)
@@ -128,7 +144,10 @@ def _resample_block(
         # one unsigned compare for 0 <= first + k < length; the output's own padding is zeroed
         # by the caller
         inside = (first + k).to(tl.uint32, bitcast=True) < length.to(tl.uint32, bitcast=True)
-        acc += tl.load(taps_ptr + k, mask=inside, other=0.0) * weight
+        sample = tl.load(taps_ptr + k, mask=inside, other=0)
+        if PCM16:
+            sample = sample.to(tl.float32) * 0.000030517578125  # 2^-15, exact
+        acc += sample * weight
     return acc
 
 
@@ -153,10 +172,13 @@ def resample_cuda(
     block: int = BLOCK,
     num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
-    """wave (B, S) float32 on a GPU -> (B, out_width) float32, zero past out_lengths.
+    """wave (B, S) float32 or int16 PCM on a GPU -> (B, out_width) float32, zero past
+    out_lengths (int16 samples count as sample / 32768).
 
     Every input sample within `half` of an output's nearest input sample is a tap (those
     beyond the window weigh 0); `block` output samples per program on `num_warps` warps."""
+    if wave.dtype not in (torch.float32, torch.int16):
+        raise ValueError(f"wave is {wave.dtype}: the resampler reads float32 or int16 PCM")
     wave = wave.contiguous()
     batch, width = wave.shape
     out = torch.empty(batch, out_width, dtype=torch.float32, device=wave.device)
@@ -173,6 +195,7 @@ def resample_cuda(
         HALF=half,
         LOBES=lobes,
         BLOCK=block,
+        PCM16=wave.dtype == torch.int16,
         num_warps=num_warps,
     )
     return out

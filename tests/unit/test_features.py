@@ -500,8 +500,13 @@ KERNELS = {
     "resample": (resample._resample_kernel, {"wave_ptr": "*fp32", "lengths_ptr": "*i64",
         "out_lengths_ptr": "*i64", "ratio_ptr": "*fp64", "table_ptr": "*i64",
         "out_ptr": "*fp32", "width": "i32", "out_width": "i32", "HALF": P, "LOBES": P,
-        "BLOCK": P}, {"HALF": 19, "LOBES": 16, "BLOCK": resample.BLOCK},
-        {"num_warps": resample.NUM_WARPS}),
+        "BLOCK": P, "PCM16": P}, {"HALF": 19, "LOBES": 16, "BLOCK": resample.BLOCK,
+        "PCM16": False}, {"num_warps": resample.NUM_WARPS}),
+    "resample_pcm16": (resample._resample_kernel, {"wave_ptr": "*i16", "lengths_ptr": "*i64",
+        "out_lengths_ptr": "*i64", "ratio_ptr": "*fp64", "table_ptr": "*i64",
+        "out_ptr": "*fp32", "width": "i32", "out_width": "i32", "HALF": P, "LOBES": P,
+        "BLOCK": P, "PCM16": P}, {"HALF": 19, "LOBES": 16, "BLOCK": resample.BLOCK,
+        "PCM16": True}, {"num_warps": resample.NUM_WARPS}),
     "loudest": (trim._loudest_kernel, {"wave_ptr": "*fp32", "lengths_ptr": "*i64",
         "block_max_ptr": "*fp64", "width": "i32", "n_blocks": "i32", "WINDOW": P},
         {"WINDOW": 2048}, {"num_warps": trim.NUM_WARPS}),
@@ -568,6 +573,7 @@ def test_the_feature_stage_kernels_compile_for_hopper(tmp_path):
     lines = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
     assert set(lines) == {
         "resample",
+        "resample_pcm16",
         "loudest",
         "loud_span",
         "shift",
@@ -689,6 +695,40 @@ def test_speed_perturbation_and_dither_follow_the_generator():
     # speeds in [0.85, 1.15]: frames of a shorter/longer resampled utterance (no trim here)
     for n, frames in zip(lens.tolist(), a_lens.tolist()):
         assert 1 + int(n / 1.15) // 160 <= frames <= 1 + int(np.ceil(n / 0.85)) // 160
+
+
+@pytest.mark.parametrize(
+    "device,width",
+    [("cpu", 3_000), pytest.param("cuda", 300_000, marks=pytest.mark.gpu)],
+)
+def test_resample_kernel_reads_int16_pcm_as_the_scaled_floats(device, width):
+    """int16 PCM into the resampler gives, bit for bit, what the float32 of sample / 32768
+    gives: the kernel converts each tap as the feature stage's conversion did. The CPU case
+    runs Triton's interpreter."""
+    pytest.importorskip("triton")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([width, 7, width * 3 // 5, 2048])
+    pcm = torch.randint(-32768, 32768, (len(lengths), width), generator=gen, dtype=torch.int32)
+    pcm = (pcm * (torch.arange(width)[None] < lengths[:, None])).to(torch.int16)
+    ratio = 1.0 / torch.tensor([0.85, 1.15, 1.0, 1.0712], dtype=torch.float64)
+    ratio_range = (1 / 1.15, 1 / 0.85)
+    pcm, lengths, ratio = pcm.to(device), lengths.to(device), ratio.to(device)
+    from rnnt.kernels.resample import resample_cuda
+
+    # the reference converts first
+    ref, ref_lens = resample(pcm, lengths, ratio, ratio_range, use_kernel=False)
+    half = math.ceil(RESAMPLE_LOBES / ratio_range[0])
+    args = (lengths, ref_lens, ratio, ref.shape[1], half, RESAMPLE_LOBES)
+    from_pcm = resample_cuda(pcm, *args)
+    from_floats = resample_cuda(pcm * (1.0 / 32768), *args)
+    assert from_pcm.dtype == torch.float32
+    assert torch.equal(from_pcm, from_floats)
+    assert (from_pcm - ref).abs().max().item() < 2e-5
+    if device == "cuda":  # the dispatch inside `resample`
+        dispatched, lens = resample(pcm, lengths, ratio, ratio_range)
+        assert torch.equal(dispatched, from_pcm) and torch.equal(lens, ref_lens)
 
 
 def test_read_audio_names_missing_and_corrupt_files(tmp_path):
