@@ -16,9 +16,15 @@ per-row tables; the envelope's cosine comes from the same identity. Only t = 0 b
 has |x| >= 1/2, so the difference of products keeps float32's absolute accuracy and 1/x may
 be the hardware's approximate one (a few 1e-7 relative).
 
-The input may be int16 PCM: its taps are converted and scaled by 2^-15 as they are read,
-which gives the float32 of `wave * (1 / 32768)` exactly, without a float32 copy of the batch
-(twice the int16's bytes written, then read at every tap).
+The taps come in pairs, -t and +t: the table's cosines are even and its sines odd in t, so
+one entry serves both, and one reciprocal of the pair's product (x at -t) (x at +t) gives
+both reciprocals. A block whose taps all lie inside its row, as most do, reads them without
+the per-tap bounds checks and their zero fill, about a tenth of the instructions.
+
+The input may be int16 PCM: its taps are converted as they are read and the sum scaled by
+2^-15, which gives the bits that the float32 of `wave * (1 / 32768)` gives (a power of two
+scales every rounding alike), without a float32 copy of the batch (twice the int16's bytes
+written, then read at every tap).
 """
 
 from __future__ import annotations
@@ -122,33 +128,117 @@ def _resample_block(
     # taps read first + k: one pointer, constant offsets
     taps_ptr = wave_ptr + row * width + first
     row_table = table_ptr + row * (2 * HALF + 1) * 2
-    acc = tl.zeros(n.shape, dtype=tl.float32)
-    for k in tl.static_range(0, 2 * HALF + 1):
-        t = k - HALF
+    # most blocks read no tap outside their row: those skip the per-tap bounds checks
+    inside = (tl.min(first, 0) >= 0) & (tl.max(first, 0) + 2 * HALF < length)
+    if inside:
+        acc = _sum_taps(
+            taps_ptr,
+            row_table,
+            first,
+            length,
+            f32,
+            c32,
+            half_sin_f,
+            half_cos_f,
+            sin_fe,
+            cos_fe,
+            centre_sinc,
+            HALF,
+            LOBES,
+            PCM16,
+            False,
+        )
+    else:
+        acc = _sum_taps(
+            taps_ptr,
+            row_table,
+            first,
+            length,
+            f32,
+            c32,
+            half_sin_f,
+            half_cos_f,
+            sin_fe,
+            cos_fe,
+            centre_sinc,
+            HALF,
+            LOBES,
+            PCM16,
+            True,
+        )
+    if PCM16:
+        # s / 32768 at every tap: scaling by a power of two commutes with each rounding of the
+        # sum, so once at the end gives the same bits
+        acc = acc * 0.000030517578125
+    return acc
+
+
+@triton.jit
+def _sum_taps(
+    taps_ptr,
+    row_table,
+    first,
+    length,
+    f32,
+    c32,
+    half_sin_f,
+    half_cos_f,
+    sin_fe,
+    cos_fe,
+    centre_sinc,
+    HALF: tl.constexpr,
+    LOBES: tl.constexpr,
+    PCM16: tl.constexpr,
+    CHECKED: tl.constexpr,
+):
+    """The weighted sum of the taps around each output (see the module); CHECKED: some taps
+    may lie outside the row and read as zero."""
+    # the centre tap first, then the taps at -t and +t together: their table entries are
+    # one's (the cosines even, the sines odd in t) and one reciprocal serves both
+    cos_te, _ = _float_pair(tl.load(row_table + 2 * HALF + 1))
+    acc = _tap(taps_ptr, first, length, HALF, PCM16, CHECKED) * (
+        centre_sinc * (0.5 * (1.0 + cos_fe * cos_te))
+    )
+    for t in tl.static_range(1, HALF + 1):
         # two float32 per 64-bit load: the loads, not the arithmetic, would bound the taps
-        cos_t, sin_t = _float_pair(tl.load(row_table + 2 * k))
-        cos_te, sin_te = _float_pair(tl.load(row_table + 2 * k + 1))
-        envelope = 1.0 + cos_fe * cos_te + sin_fe * sin_te
-        if t == 0:
-            weight = centre_sinc * (0.5 * envelope)
-        else:
-            # x = f - t has the sign of -t and |x| >= 1/2: 1/x = -sign(t) / sqrt(x^2), whose
-            # approximate reciprocal square root (one instruction) errs by a few 1e-7 relative
-            x = f32 - t
-            inverse = tl.math.rsqrt(x * x)
-            numerator = (half_sin_f * cos_t - half_cos_f * sin_t) * envelope
-            weight = numerator * inverse if t < 0 else -(numerator * inverse)
-            if t * t >= (LOBES - 1) * (LOBES - 1):
-                # |c x| <= |t| + 1/2 < LOBES for every nearer tap: only these leave the window
-                weight = tl.where(tl.abs(c32 * x) < LOBES, weight, 0.0)
-        # one unsigned compare for 0 <= first + k < length; the output's own padding is zeroed
-        # by the caller
+        cos_t, sin_t = _float_pair(tl.load(row_table + 2 * (HALF + t)))
+        cos_te, sin_te = _float_pair(tl.load(row_table + 2 * (HALF + t) + 1))
+        even = 1.0 + cos_fe * cos_te
+        envelope_ahead = even + sin_fe * sin_te
+        envelope_behind = even - sin_fe * sin_te
+        sine_even = half_sin_f * cos_t
+        sine_odd = half_cos_f * sin_t
+        # x = f -+ t, |x| >= 1/2 and x_ahead x_behind = f^2 - t^2 < 0: 1 / x_ahead =
+        # -x_behind / |x_ahead x_behind| and back, through one approximate reciprocal square
+        # root of the product's square (one instruction, a few 1e-7 relative)
+        x_ahead = f32 - t
+        x_behind = f32 + t
+        product = x_ahead * x_behind
+        inverse = tl.math.rsqrt(product * product)
+        weight_ahead = -((sine_even - sine_odd) * envelope_ahead * x_behind) * inverse
+        weight_behind = -((sine_even + sine_odd) * envelope_behind * x_ahead) * inverse
+        if t >= LOBES - 1:
+            # |c x| <= |t| + 1/2 < LOBES for every nearer tap: only these leave the window
+            weight_ahead = tl.where(tl.abs(c32 * x_ahead) < LOBES, weight_ahead, 0.0)
+            weight_behind = tl.where(tl.abs(c32 * x_behind) < LOBES, weight_behind, 0.0)
+        acc += _tap(taps_ptr, first, length, HALF - t, PCM16, CHECKED) * weight_behind
+        acc += _tap(taps_ptr, first, length, HALF + t, PCM16, CHECKED) * weight_ahead
+    return acc
+
+
+@triton.jit
+def _tap(taps_ptr, first, length, k: tl.constexpr, PCM16: tl.constexpr, CHECKED: tl.constexpr):
+    """The input samples at first + k as float32 (CHECKED: zero outside the row's length)."""
+    if CHECKED:
+        # one unsigned compare for 0 <= first + k < length; the output's own padding is
+        # zeroed by the caller
         inside = (first + k).to(tl.uint32, bitcast=True) < length.to(tl.uint32, bitcast=True)
         sample = tl.load(taps_ptr + k, mask=inside, other=0)
-        if PCM16:
-            sample = sample.to(tl.float32) * 0.000030517578125  # 2^-15, exact
-        acc += sample * weight
-    return acc
+    else:
+        sample = tl.load(taps_ptr + k)
+    if PCM16:
+        sample = sample.to(tl.float32)  # the caller scales the sum by 2^-15
+    return sample
 
 
 def tap_table(ratio: torch.Tensor, half: int, lobes: int) -> torch.Tensor:
