@@ -113,17 +113,6 @@ def _resample_block(
     # from here float32: |f| <= 1/2 is exact enough, and so are the sines of small angles
     f32 = f.to(tl.float32)
     c32 = cutoff.to(tl.float32)
-    angle = 3.1415927 * c32 * f32
-    sin_angle = tl.sin(angle)
-    # c sinc(c x) = sin(pi c x) / (pi x): the cutoff cancels but in the sine, and the Hann
-    # envelope's 1/2 and the 1/pi go into the two factors of the sine's difference of products
-    half_sin_f = 0.15915494 * sin_angle
-    half_cos_f = 0.15915494 * tl.cos(angle)
-    sin_fe = tl.sin(angle / LOBES)
-    cos_fe = tl.cos(angle / LOBES)
-    # the centre tap: c sin(a) / a (c where a underflows)
-    tiny = tl.abs(angle) < 1e-30
-    centre_sinc = c32 * tl.where(tiny, 1.0, sin_angle / tl.where(tiny, 1.0, angle))
     first = nearest.to(tl.int32) - HALF
     # taps read first + k: one pointer, constant offsets
     taps_ptr = wave_ptr + row * width + first
@@ -131,41 +120,9 @@ def _resample_block(
     # most blocks read no tap outside their row: those skip the per-tap bounds checks
     inside = (tl.min(first, 0) >= 0) & (tl.max(first, 0) + 2 * HALF < length)
     if inside:
-        acc = _sum_taps(
-            taps_ptr,
-            row_table,
-            first,
-            length,
-            f32,
-            c32,
-            half_sin_f,
-            half_cos_f,
-            sin_fe,
-            cos_fe,
-            centre_sinc,
-            HALF,
-            LOBES,
-            PCM16,
-            False,
-        )
+        acc = _sum_taps(taps_ptr, row_table, first, length, f32, c32, HALF, LOBES, PCM16, False)
     else:
-        acc = _sum_taps(
-            taps_ptr,
-            row_table,
-            first,
-            length,
-            f32,
-            c32,
-            half_sin_f,
-            half_cos_f,
-            sin_fe,
-            cos_fe,
-            centre_sinc,
-            HALF,
-            LOBES,
-            PCM16,
-            True,
-        )
+        acc = _sum_taps(taps_ptr, row_table, first, length, f32, c32, HALF, LOBES, PCM16, True)
     if PCM16:
         # s / 32768 at every tap: scaling by a power of two commutes with each rounding of the
         # sum, so once at the end gives the same bits
@@ -181,11 +138,6 @@ def _sum_taps(
     length,
     f32,
     c32,
-    half_sin_f,
-    half_cos_f,
-    sin_fe,
-    cos_fe,
-    centre_sinc,
     HALF: tl.constexpr,
     LOBES: tl.constexpr,
     PCM16: tl.constexpr,
@@ -193,6 +145,17 @@ def _sum_taps(
 ):
     """The weighted sum of the taps around each output (see the module); CHECKED: some taps
     may lie outside the row and read as zero."""
+    angle = 3.1415927 * c32 * f32
+    sin_angle = tl.sin(angle)
+    # c sinc(c x) = sin(pi c x) / (pi x): the cutoff cancels but in the sine, and the Hann
+    # envelope's 1/2 and the 1/pi go into the two factors of the sine's difference of products
+    half_sin_f = 0.15915494 * sin_angle
+    half_cos_f = 0.15915494 * tl.cos(angle)
+    sin_fe = tl.sin(angle / LOBES)
+    cos_fe = tl.cos(angle / LOBES)
+    # the centre tap: c sin(a) / a (c where a underflows)
+    tiny = tl.abs(angle) < 1e-30
+    centre_sinc = c32 * tl.where(tiny, 1.0, sin_angle / tl.where(tiny, 1.0, angle))
     # the centre tap first, then the taps at -t and +t together: their table entries are
     # one's (the cosines even, the sines odd in t) and one reciprocal serves both
     cos_te, _ = _float_pair(tl.load(row_table + 2 * HALF + 1))
