@@ -6,12 +6,11 @@
 // them). The Triton `stats_from_partials_kernel` there turns a row's N / 128 partials into its
 // log-sum-exp.
 //
-// Why a hand-written kernel: with cuBLAS the statistics need a second pass over the logits
-// (0.82 ms per 385k-row chunk at H = 512, V = 1024 against 0.61 for the GEMM alone on an
-// H200), and a Triton GEMM with the softmax in its epilogue leaves the tensor cores idle while
-// the epilogue runs. Here two consumer warp groups take 128 x 128 tiles by turns, so one
-// group's epilogue (fp16 rounding, TMA store, partials) runs while the other's MMAs do: 0.66
-// ms per chunk, logits bitwise equal to cuBLAS's (docs/PERFORMANCE.md has the measurements).
+// Why a hand-written kernel: with cuBLAS the statistics need a second pass over the logits,
+// and a Triton GEMM with the softmax in its epilogue leaves the tensor cores idle while the
+// epilogue runs. Here two consumer warp groups take 128 x 128 tiles by turns, so one group's
+// epilogue (fp16 rounding, TMA store, partials) runs while the other's MMAs do, with logits
+// bitwise equal to cuBLAS's (docs/PERFORMANCE.md, "The sm90 logits GEMM", has the times).
 //
 // Layout: a persistent grid whose CTA c keeps W's column block c % (N / 128) resident in
 // shared memory (K <= 512: 128 KB) for the whole kernel and walks row blocks c / (N / 128),
