@@ -154,6 +154,8 @@ class RunLog:
             f"{window.utts_per_s:.1f} utt/s ({window.step_ms:.1f} ms/step)",
             f"data wait {window.data_wait_share:.1%}" + _wait_parts(window.data_wait_parts),
         ]
+        if window.host_lead_ms is not None:
+            parts.append(f"host lead {window.host_lead_ms:.1f} ms")
         if window.peak_memory_gib is not None:
             parts.append(f"peak mem {window.peak_memory_gib:.1f} GiB")
         if window.mfu is not None:
@@ -175,6 +177,7 @@ class RunLog:
             window_steps=window.steps,
             data_wait_share=window.data_wait_share,
             **{f"data_wait_{name}_share": share for name, share in parts.items()},
+            host_lead_ms=window.host_lead_ms,
             peak_memory_gib=window.peak_memory_gib,
             mfu=window.mfu,
             alloc_retries=window.alloc_retries,

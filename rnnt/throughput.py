@@ -16,7 +16,10 @@ parts: the torch loader's workers, queueing its GPU stage, waiting for that stag
 GPU memory, the caching allocator's retries (each one a
 cudaMalloc that failed, after which the allocator freed its cache and synchronized: memory
 pressure that slows the step and that a run's peak memory does not show), and the model FLOP
-utilisation against a stated peak (`rnnt.flops`).
+utilisation against a stated peak (`rnnt.flops`). On a GPU also the host's lead: how long
+the host, having queued the step after the window, waited for the GPU to finish the window's
+last step. While it is well above zero the GPU had work queued and a host-side wait (the data
+wait included) cost no GPU time; near zero the GPU was the one waiting for the host.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class WindowStats:
     mfu: float | None
     alloc_retries: int | None = None
     data_wait_parts: dict[str, float] | None = None  # shares of the window, by part
+    host_lead_ms: float | None = None  # on a GPU: the wait for the window's end when read
 
 
 class ClosedWindow:
@@ -58,11 +62,15 @@ class ClosedWindow:
         self.counts = counts
         self.peak_flops = peak_flops
         self._stats: WindowStats | None = None
+        self.host_lead_ms: float | None = None  # set by the first read on a GPU
 
     def seconds(self) -> float:
         if isinstance(self.end, float):
             return max(self.end - self.start, 1e-9)
-        self.end.synchronize()
+        if self.host_lead_ms is None:
+            waited = time.perf_counter()
+            self.end.synchronize()
+            self.host_lead_ms = 1e3 * (time.perf_counter() - waited)
         return max(self.start.elapsed_time(self.end) / 1e3, 1e-9)
 
     def stats(self) -> WindowStats:
@@ -83,6 +91,7 @@ class ClosedWindow:
                 data_wait_parts=None
                 if spent is None
                 else {name: part / seconds for name, part in spent.items()},
+                host_lead_ms=self.host_lead_ms,
             )
         return self._stats
 

@@ -103,10 +103,10 @@ def epoch_table(runs: dict[str, list[dict]]) -> str:
 
 
 def summary(name: str, records: list[dict]) -> str:
-    """Median step time and data-wait share over the logged windows (each epoch's first one,
-    which holds warm-up, CUDA graph capture or the evaluation's aftermath, left out), the same
-    median over the last epoch's alone where there are several, and the run's first window on
-    its own: what the start inside the timed region cost."""
+    """Median step time, data-wait share and (on a GPU) host lead over the logged windows
+    (each epoch's first one, which holds warm-up, CUDA graph capture or the evaluation's
+    aftermath, left out), the same median over the last epoch's alone where there are several,
+    and the run's first window on its own: what the start inside the timed region cost."""
     train = _train(records)
     seen, steady = set(), []
     for r in train:
@@ -139,6 +139,9 @@ def summary(name: str, records: list[dict]) -> str:
                 split.append(f"{part} {100 * statistics.median(shares):.1f}%")
         of_which = f" ({', '.join(split)})" if split else ""
         parts.append(f"median data wait {100 * statistics.median(waits):.1f}%{of_which}")
+    leads = [r["host_lead_ms"] for r in steady if _is_number(r.get("host_lead_ms"))]
+    if leads:  # on a GPU (rnnt.throughput)
+        parts.append(f"median host lead {statistics.median(leads):.1f} ms")
     first = train[0] if train else {}
     if _is_number(first.get("step_ms")) and _is_number(first.get("data_wait_share")):
         parts.append(

@@ -158,6 +158,21 @@ def test_the_parts_of_the_data_wait(tmp_path, capsys):
     assert "data_wait_parts" not in train
 
 
+def test_the_hosts_lead_follows_the_data_wait_where_it_is_measured(tmp_path, capsys):
+    """On a GPU the window knows how long the host waited for its end: the line says it after
+    the data wait, and the record keeps it; a window without it (off CUDA) shows none."""
+    point = dict(step=3, epoch=1, loss=9.5, lr=1e-3, loss_scale=1.0, skipped_steps=0)
+    with RunLog(tmp_path, is_main=True) as log:
+        log.step(**point, window=dataclasses.replace(window(), host_lead_ms=35.26))
+        log.step(**point, window=window())
+    led, unled = capsys.readouterr().out.splitlines()
+    assert "| data wait 1.0% | host lead 35.3 ms | peak mem" in led
+    assert "host lead" not in unled
+    first, second = read_metrics(tmp_path / METRICS_FILE)
+    assert first["host_lead_ms"] == 35.26
+    assert "host_lead_ms" not in second
+
+
 def test_non_finite_values_stay_valid_json(tmp_path):
     with RunLog(tmp_path) as log:
         log.step(
@@ -327,3 +342,8 @@ def test_the_summary_gives_the_last_epochs_steady_state():
     for record, stage in zip(records, (0.5, 0.04, 0.3, 0.06, 0.5, 0.05, 0.07, 0.05)):
         record.update(data_wait_workers_share=0.01, data_wait_stage_share=stage)
     assert "median data wait 10.0% (workers 1.0%, stage 5.5%)," in summary("real", records)
+    assert "host lead" not in line  # off CUDA
+    for record, lead in zip(records, (0.0, 40.0, 2.0, 30.0, 0.0, 20.0, 10.0, 50.0)):
+        record["host_lead_ms"] = lead
+    # each epoch's first window left out: the median of 40, 2, 30, 20, 10 and 50
+    assert "median host lead 25.0 ms" in summary("real", records)

@@ -55,7 +55,9 @@ def test_no_peak_means_no_mfu():
     window = ThroughputWindow(torch.device("cpu"))
     window.start()
     window.add_step(1, 10)
-    assert window.close().stats().mfu is None
+    stats = window.close().stats()
+    assert stats.mfu is None
+    assert stats.host_lead_ms is None  # the host clock ends a CPU window: nothing to wait for
 
 
 @pytest.mark.gpu
@@ -74,10 +76,18 @@ def test_a_window_ends_when_the_gpu_has_finished_its_work_without_waiting_for_it
     window.add_step(1, 0)
     closed = window.close()
     assert not torch.cuda.current_stream().query()  # still running: close() did not sync
+    waited = time.perf_counter()
     stats = closed.stats()
+    waited = time.perf_counter() - waited
     gpu_seconds = start.elapsed_time(end) * 1e-3
     assert stats.seconds >= gpu_seconds
     assert stats.peak_memory_gib > 0
+    # the host was ahead: the read waited for the GPU, and the window says for how long
+    assert 0.1 * gpu_seconds < stats.host_lead_ms / 1e3 <= waited
+    assert closed.stats().host_lead_ms == stats.host_lead_ms  # measured once
+    torch.cuda.synchronize()
+    window.add_step(1, 0)
+    assert window.close().stats().host_lead_ms < 1.0  # the GPU was done before the read
 
 
 @pytest.mark.gpu
