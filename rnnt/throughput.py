@@ -47,6 +47,19 @@ class WindowStats:
     host_lead_ms: float | None = None  # on a GPU: the wait for the window's end when read
 
 
+@dataclass(frozen=True)
+class WindowCounts:
+    """What the host counted in a window, fixed when it closes (the device may still run it)."""
+
+    steps: int
+    utterances: int
+    flops: int
+    data_wait: float  # seconds the loop waited for the loader
+    peak_memory_gib: float | None
+    alloc_retries: int | None
+    wait_parts_spent: dict[str, float] | None  # the loader's seconds by part, in the window
+
+
 class ClosedWindow:
     """A window whose end is queued on the device; `stats` waits for that end alone (not for
     anything queued after it) and gives its numbers."""
@@ -55,7 +68,7 @@ class ClosedWindow:
         self,
         start: torch.cuda.Event | float,
         end: torch.cuda.Event | float,
-        counts: dict,
+        counts: WindowCounts,
         peak_flops: float | None,
     ) -> None:
         self.start, self.end = start, end
@@ -76,18 +89,18 @@ class ClosedWindow:
     def stats(self) -> WindowStats:
         if self._stats is None:
             c, seconds = self.counts, self.seconds()
-            spent = c["wait_parts_spent"]
+            spent = c.wait_parts_spent
             self._stats = WindowStats(
-                steps=c["steps"],
-                utterances=c["utterances"],
+                steps=c.steps,
+                utterances=c.utterances,
                 seconds=seconds,
-                data_wait_seconds=c["data_wait"],
-                utts_per_s=c["utterances"] / seconds,
-                step_ms=1e3 * seconds / max(c["steps"], 1),
-                data_wait_share=c["data_wait"] / seconds,
-                peak_memory_gib=c["peak_memory_gib"],
-                mfu=None if self.peak_flops is None else c["flops"] / seconds / self.peak_flops,
-                alloc_retries=c["alloc_retries"],
+                data_wait_seconds=c.data_wait,
+                utts_per_s=c.utterances / seconds,
+                step_ms=1e3 * seconds / max(c.steps, 1),
+                data_wait_share=c.data_wait / seconds,
+                peak_memory_gib=c.peak_memory_gib,
+                mfu=None if self.peak_flops is None else c.flops / seconds / self.peak_flops,
+                alloc_retries=c.alloc_retries,
                 data_wait_parts=None
                 if spent is None
                 else {name: part / seconds for name, part in spent.items()},
@@ -172,7 +185,7 @@ class ThroughputWindow:
         spent = None
         if parts is not None and before is not None:
             spent = {name: seconds - before[name] for name, seconds in parts.items()}
-        counts = dict(
+        counts = WindowCounts(
             steps=self.steps,
             utterances=self.utterances,
             flops=self.flops,
