@@ -23,6 +23,10 @@ worker count asked for:
   transform, replayed on the same raw batches and timed with CUDA events. What the stage
   steals from a training step when it runs beside it is the trainer's business
   (`bench/gpu_session.sh realstep`).
+- GPU kernels ms/batch (any backend on a GPU): the busy time of every kernel and copy on
+  the device (DALI's own stream's too) over PROFILED_BATCHES more batches, from
+  torch.profiler, per batch. DALI computes batches ahead, so the window's edges can hold a
+  batch more or less of its work.
 
 Without a GPU, `--device cpu` times the CPU feature path (features in the workers).
 """
@@ -115,6 +119,27 @@ def bench_config(
     return cfg
 
 
+PROFILED_BATCHES = 8
+
+
+def device_kernel_ms(loader_batches, consume, batches: int) -> float:
+    """The device's busy time (every kernel and copy that CUPTI sees, whichever library
+    launched it) per batch, over the next `batches` of `loader_batches`, each passed to
+    `consume`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(batches):
+            consume(next(loader_batches))
+        torch.cuda.synchronize()
+    busy_us = sum(
+        e.device_time_total
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    return busy_us / 1e3 / batches
+
+
 def time_loader(
     cfg: Config,
     utts,
@@ -146,6 +171,9 @@ def time_loader(
     sync()
     wall = time.perf_counter() - wall0
     cores = (cpu_seconds() - cpu0) / wall
+    kernel_ms = None
+    if device == "cuda":
+        kernel_ms = device_kernel_ms(it, lambda b: transform(b.to(device)), PROFILED_BATCHES)
     next_epoch_s = None
     if epoch_pause > 0:
         for batch in it:  # the rest of the epoch, then a stand-in for the evaluation
@@ -166,6 +194,7 @@ def time_loader(
         "cores": cores,
         "batches": batches,
         "gpu_ms_per_batch": gpu_ms,
+        "gpu_kernel_ms_per_batch": kernel_ms,
     }
 
 
@@ -244,7 +273,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the main process assembles batches; the workers decode
 
     utts = read_manifest(args.manifest, args.dataset_dir)
-    needed = (args.warmup + args.batches + 10) * args.batch_size
+    needed = (args.warmup + args.batches + PROFILED_BATCHES + 10) * args.batch_size
     if len(utts) < needed:
         raise SystemExit(f"{args.manifest}: {len(utts)} utterances, the run needs {needed}")
     mean_s = statistics.fmean(u.duration for u in utts)
@@ -269,12 +298,14 @@ def main() -> None:
                 r.update(backend=backend, resampling=resampling, threads=threads)
                 results.append(r)
                 gpu, next_epoch = r["gpu_ms_per_batch"], r["next_epoch_first_batch_s"]
+                kernels = r["gpu_kernel_ms_per_batch"]
                 print(
                     f"{backend:5} resampling={resampling} threads={threads:2d}: "
                     f"{r['utterances_per_s']:7.0f} utt/s, {r['cores']:5.1f} cores, "
                     f"first batch after {r['first_batch_s']:.1f} s, "
                     + (f"next epoch's after {next_epoch:.2f} s, " if next_epoch is not None else "")
-                    + (f"GPU {gpu:.1f} ms/batch" if gpu is not None else "GPU time n/a"),
+                    + (f"GPU {gpu:.1f} ms/batch" if gpu is not None else "GPU time n/a")
+                    + (f", GPU kernels {kernels:.1f} ms/batch" if kernels is not None else ""),
                     flush=True,
                 )
     machine = {

@@ -48,6 +48,7 @@ def test_bench_times_the_torch_loader_on_a_manifest(repo_root, corpus, tmp_path)
         # read ahead during the pause, unlike the first batch (which waited for the workers)
         assert 0 <= row["next_epoch_first_batch_s"] < row["first_batch_s"] or not row["threads"]
         assert row["gpu_ms_per_batch"] is None  # the feature stage ran in the CPU workers
+        assert row["gpu_kernel_ms_per_batch"] is None
 
 
 def test_cores_count_a_few_milliseconds_of_work():
