@@ -157,8 +157,9 @@ def resample(
     `ratio` back (sync-free).
     Returns (B, ceil(S * hi)) and the output lengths ceil(lengths * ratio).
 
-    This is the reference; float32 batches on a GPU run rnnt.kernels.resample, which computes
-    the same sums in registers instead of a float64 (B, N, taps) gather (tested against this).
+    This is the reference; float32 and int16 batches on a GPU run rnnt.kernels.resample, which
+    computes the same sums in registers instead of a float64 (B, N, taps) gather (tested
+    against this).
     """
     batch, width = wave.shape
     device = wave.device

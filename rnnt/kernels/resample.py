@@ -66,17 +66,7 @@ def _resample_kernel(
     # padding, and the taps are the kernel's whole cost
     if first_n < out_length:
         acc = _resample_block(
-            wave_ptr,
-            lengths_ptr,
-            ratio_ptr,
-            table_ptr,
-            row,
-            n,
-            out_length,
-            width,
-            HALF,
-            LOBES,
-            PCM16,
+            wave_ptr, lengths_ptr, ratio_ptr, table_ptr, row, n, width, HALF, LOBES, PCM16
         )
     tl.store(out_ptr + row * out_width + n, tl.where(n < out_length, acc, 0.0), mask=n < out_width)
 
@@ -97,7 +87,6 @@ def _resample_block(
     table_ptr,
     row,
     n,
-    out_length,
     width,
     HALF: tl.constexpr,
     LOBES: tl.constexpr,
