@@ -202,10 +202,11 @@ def gpu_stage_ms(loader, transform, batches: int = 10, profile: bool = False) ->
     """Median CUDA time of the batched feature stage plus the device transform (torch
     backend on a GPU), replayed on raw batches of the loader's own workers. `profile`: also
     print the stage's kernels, by CUDA time, over its last three replays."""
-    stage = getattr(loader.backend, "_device_features", None)
-    if stage is None:  # DALI: its GPU work runs inside its own pipeline
+    stage = getattr(loader.backend, "stage", None)
+    raw_batches = getattr(loader.backend, "loader", None)
+    if stage is None or raw_batches is None:  # DALI: replayed on its own batches, not here
         return None
-    raw = iter(loader.backend.loader)
+    raw = iter(raw_batches)
     times = []
     profiler = None
     for i in range(batches):
@@ -217,7 +218,7 @@ def gpu_stage_ms(loader, transform, batches: int = 10, profile: bool = False) ->
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream = torch.cuda.current_stream()
         start.record(stream)
-        feats, feat_lens, host_lens = stage(padded, lens, seed)
+        feats, feat_lens, host_lens = stage.features_now(padded, lens, seed)
         batch = loader.backend.assembler(indices, feats, feat_lens, host_lens)
         transform(batch.to("cuda"))
         end.record(stream)

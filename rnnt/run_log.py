@@ -47,7 +47,8 @@ def _json_value(value):
     return value
 
 
-# what each part of a torch loader's wait is, in the log line (rnnt.data.loader.LoaderTime)
+# what each part of a loader's wait is, in the log line (rnnt.data.device_stage.LoaderTime;
+# "workers" are the torch backend's processes or DALI's pipeline)
 _WAIT_PART_NAMES = {"workers": "workers", "queueing": "queueing the stage", "stage": "the stage"}
 
 

@@ -130,7 +130,7 @@ def summary(name: str, records: list[dict]) -> str:
             f"last epoch's median step {statistics.median(last):.2f} ms over {len(last)} windows"
         )
     if waits:
-        # with the torch loader's parts of it (rnnt.data.loader.LoaderTime), each its median
+        # with the loader's parts of it (rnnt.data.device_stage.LoaderTime), each its median
         split = []
         for part in ("workers", "queueing", "stage"):
             shares = [r.get(f"data_wait_{part}_share") for r in steady]

@@ -22,9 +22,10 @@ Torch backend, where the work happens:
   about 50 twelve-second utterances per second per core (bench/data_pipeline.py, AMD EPYC),
   so 16 cores give some 800 utterances/s, below the ~1,740/s one H100 trains on, while the
   batched STFT is a small fraction of a training step on the GPU.
-  The stage of the next `data.device_prefetch` batches is queued before a batch is handed
-  over, with its lengths' host copy, so the trainer never waits for it: it runs on the SMs
-  that the step's recurrences leave idle.
+  The stage (`rnnt.data.device_stage`, which the DALI backend ends in too) of the next
+  `data.device_prefetch` batches is queued before a batch is handed over, with its lengths'
+  host copy, so the trainer never waits for it: it runs on the SMs that the step's
+  recurrences leave idle.
 Resampling on the CPU (files not at features.sample_rate, and speed perturbation when
 data.resampling_device is cpu) uses soxr's HQ resampler in the workers: it is about 500 times
 faster than the torch windowed-sinc resampler of rnnt.data.features, which serves the
@@ -58,6 +59,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from rnnt.config import Config, ConfigError, FeaturesConfig
 from rnnt.data.batch import FeatureBatch
+from rnnt.data.device_stage import DeviceFeatureStage, LoaderTime
 from rnnt.data.features import (
     AudioFileError,
     FeatureExtractor,
@@ -71,10 +73,6 @@ from rnnt.seeds import derive_seed, rank_seeds
 log = logging.getLogger(__name__)
 
 EVAL_SEED = 0
-
-
-# CUDA maps a priority past the device's range to its highest one
-HIGHEST_STREAM_PRIORITY = -100
 
 
 def dali_available() -> bool:
@@ -280,18 +278,6 @@ class _KeyedBatches:
             epoch, start = epoch + 1, 0
 
 
-@dataclasses.dataclass
-class LoaderTime:
-    """Host seconds a torch loader has spent, since it was built, on what the training loop's
-    wait for a batch is made of: waiting for the workers' next batch, queueing a batch's GPU
-    feature stage (its kernels' launches), and waiting for a queued stage to end (the
-    lengths' copy). The trainer's log splits its data wait into these."""
-
-    workers: float = 0.0
-    queueing: float = 0.0
-    stage: float = 0.0
-
-
 class TorchFeatureLoader:
     """The torch-native backend (see the module docstring for where the work runs)."""
 
@@ -313,24 +299,16 @@ class TorchFeatureLoader:
         self.assembler = assembler
         self.time = LoaderTime()
         self.unreadable = unreadable
-        self.on_device = data.device == "gpu"
         perturb_on_device = train and data.resampling_device == "gpu"
         worker_extractor = None
-        self.stream = None
-        # batches whose device stage is queued ahead of the one handed out (torch, data.device
-        # gpu): the host then never waits for the stage, which runs beside the training step
+        # batches whose device stage is queued ahead of the one handed out (data.device gpu):
+        # the host then never waits for the stage, which runs beside the training step
         self.prefetch = data.device_prefetch if data.device == "gpu" else 0
-        if self.on_device:
-            self.extractor = FeatureExtractor(cfg.features, train, perturb_on_device).to(device)
-            if device.type == "cuda":
-                # Queued ahead, nothing waits for the stage, so it takes the lowest priority
-                # (the default, the step's own) and no longer goes ahead of the step's
-                # kernels; it runs between and beside them. Computed when asked for (no
-                # prefetch), the host waits for its lengths before it can queue the next
-                # step, so the stage takes the highest: at the default priority it ran after
-                # most of the step, and each step waited for the last one and the stage.
-                priority = 0 if self.prefetch else HIGHEST_STREAM_PRIORITY
-                self.stream = torch.cuda.Stream(device, priority=priority)
+        self.stage = None
+        if data.device == "gpu":
+            self.stage = DeviceFeatureStage(
+                cfg.features, train, perturb_on_device, device, self.prefetch, self.time
+            )
         else:
             worker_extractor = FeatureExtractor(cfg.features, train, speed_perturb=False)
         dataset = AudioDataset(
@@ -409,81 +387,21 @@ class TorchFeatureLoader:
         """A batch from the workers, with its device stage launched (data.device gpu)."""
         indices, batch_seed, padded, lens, unreadable = raw
         self.unreadable.handle(unreadable, len(indices))
-        if not self.on_device:
-            return indices, padded, lens, None
-        return indices, *self._launch(padded, lens, batch_seed)
+        if self.stage is None:
+            return indices, (padded, lens)
+        return indices, self.stage.launch(padded, lens, batch_seed)
 
     def _hand_over(self, queued: tuple) -> FeatureBatch:
-        indices, feats, lens, pending = queued
-        if pending is None:
-            return self.assembler(indices, feats, lens)
-        return self.assembler(indices, *self._finish(feats, lens, pending))
+        indices, batch = queued
+        if self.stage is None:
+            return self.assembler(indices, *batch)
+        return self.assembler(indices, *self.stage.finish(batch))
 
     def warm_up(self) -> None:
-        """The device feature stage once on two stand-in rows of silence, so that its kernel
-        builds (the Triton resampler) and first allocations happen now rather than at the
-        first batch; the workers are not started and no file is read."""
-        if not self.on_device:
-            return
-        rows = torch.zeros(2, 4000, dtype=torch.int16)
-        self._device_features(rows, torch.tensor([4000, 3000]), batch_seed=0)
-
-    def _device_features(
-        self, padded: torch.Tensor, lens: torch.Tensor, batch_seed: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Features of a padded waveform batch on `device`, with their host lengths, at once."""
-        return self._finish(*self._launch(padded, lens, batch_seed))
-
-    def _launch(
-        self, padded: torch.Tensor, lens: torch.Tensor, batch_seed: int
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        """Queue the feature stage of a batch; `_finish` waits for it.
-
-        On a GPU it runs on a side stream: the training step queued before it keeps the GPU
-        busy meanwhile, and the lengths' host copy waits for this stream alone. On the default
-        stream that copy would wait for the whole previous step, and the GPU would idle while
-        the host queued the next one."""
-        if self.stream is None:
-            feats, lens = self._extract(padded, lens, batch_seed)
-            return feats, lens, (lens.cpu(), None)
-        with torch.cuda.stream(self.stream):
-            feats, lens = self._extract(padded, lens, batch_seed)
-            # one copy of the lengths per batch: it trims the silence off the batch and gives
-            # the loss its host lengths
-            host_lens = torch.empty(lens.shape, dtype=lens.dtype, pin_memory=True)
-            host_lens.copy_(lens, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return feats, lens, (host_lens, done)
-
-    def _finish(
-        self, feats: torch.Tensor, lens: torch.Tensor, pending: tuple
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        host_lens, done = pending
-        if done is not None:
-            waited = time.perf_counter()
-            done.synchronize()  # the stage's whole stream up to the lengths' copy
-            self.time.stage += time.perf_counter() - waited
-            # the consumer frees these tensors on its own stream, so the allocator must not
-            # recycle them until that stream is done with them
-            consumer = torch.cuda.current_stream(self.device)
-            feats.record_stream(consumer)
-            lens.record_stream(consumer)
-        return feats[:, :, : int(host_lens.max())], lens, host_lens
-
-    def _extract(
-        self, padded: torch.Tensor, lens: torch.Tensor, batch_seed: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        padded = padded.to(self.device, non_blocking=True)
-        # The lengths and the speeds stay on the host, where the extractor bounds each
-        # utterance's frames with them; the dither's noise comes from the device's generator.
-        speeds = None
-        if self.extractor.speed_perturb:
-            speeds = draw_speeds(
-                self.extractor.cfg, len(lens), torch.Generator().manual_seed(batch_seed)
-            )
-        generator = torch.Generator(device=self.device).manual_seed(batch_seed)
-        return self.extractor(padded, lens, generator, speeds)
+        """The device feature stage's kernel builds and first allocations, on stand-in rows
+        (DeviceFeatureStage.warm_up); the workers are not started and no file is read."""
+        if self.stage is not None:
+            self.stage.warm_up()
 
 
 def _collate(items: list[tuple[int, int, torch.Tensor | str]]):
@@ -565,15 +483,16 @@ class DaliFileSource:
 
     def read(
         self, indices: Sequence[int], epoch: int, batch_no: int
-    ) -> tuple[list[int], list, list]:
-        """(the indices whose files could be read, their bytes, their speeds). DALI decodes
-        what it is fed: a file it cannot decode stops the run (diagnose) even under
-        data.skip_bad, since a sample cannot be taken out of a batch DALI already holds."""
+    ) -> tuple[list[int], list, list, int]:
+        """(the indices whose files could be read, their bytes, their speeds, the batch's
+        seed). DALI decodes what it is fed: a file it cannot decode stops the run (diagnose)
+        even under data.skip_bad, since a sample cannot be taken out of a batch DALI already
+        holds. Evaluation's batches draw the same in every pass (their seeds ignore the
+        epoch), so that eval.py scores a checkpoint as the trainer's evaluation did."""
+        seed = derive_seed(self.seed, self.rank, epoch if self.train else 0, batch_no)
         if self.train:
-            generator = torch.Generator().manual_seed(
-                derive_seed(self.seed, self.rank, epoch, batch_no)
-            )
-            speeds = draw_speeds(self.cfg, len(indices), generator).tolist()
+            speeds = draw_speeds(self.cfg, len(indices), torch.Generator().manual_seed(seed))
+            speeds = speeds.tolist()
         else:
             speeds = [1.0] * len(indices)
         paths = [audio_path(self.utts[i], self.dataset_dir) for i in indices]
@@ -586,7 +505,7 @@ class DaliFileSource:
             kept.append(i)
             kept_speeds.append(speed)
         self.unreadable.handle(unreadable, len(kept))
-        return kept, encoded, kept_speeds
+        return kept, encoded, kept_speeds, seed
 
     def diagnose(self, indices: Sequence[int], err: Exception) -> Exception:
         """The first file among `indices` that does not decode, else DALI's error with the
@@ -618,8 +537,8 @@ def build_loader(
     utts: manifest utterances (audio paths absolute, or relative to `dataset_dir`).
     sampler: training batches (lists of indices into utts); default: a BucketingSampler of
     global batch training.batch_size * grad_accumulation * world_size. Evaluation ignores it.
-    device: where the batches are produced when data.device = gpu (torch backend) and where
-    the DALI GPU pipeline runs.
+    device: where the device feature stage runs (data.device = gpu, either backend) and
+    where DALI copies its decoded batches.
     """
     if not utts:
         raise ValueError("build_loader: no utterances (empty manifest?)")
@@ -665,6 +584,11 @@ def build_loader(
         files = DaliFileSource(
             utts, dataset_dir, cfg.features, train, seed, rank, unreadable, cfg.data.num_threads
         )
+        stage = None
+        if cfg.data.device == "gpu":
+            perturb = train and cfg.data.resampling_device == "gpu"
+            prefetch = cfg.data.device_prefetch
+            stage = DeviceFeatureStage(cfg.features, train, perturb, device, prefetch, LoaderTime())
         loader = DaliFeatureIterator(
             cfg.features,
             train,
@@ -680,6 +604,7 @@ def build_loader(
             cfg.data.resampling_device,
             device,
             cfg.data.device_prefetch,
+            stage,
         )
     return TrainLoader(loader, sampler) if train else loader
 
@@ -713,7 +638,8 @@ class TrainLoader:
         return self.backend.dropped_utterances
 
     def data_wait_parts(self) -> dict[str, float] | None:
-        """The torch backend's LoaderTime so far, as seconds by name; None for the others."""
+        """The backend's LoaderTime so far (the torch backend's, DALI's with the device stage),
+        as seconds by name; None for the others."""
         spent = getattr(self.backend, "time", None)
         return dataclasses.asdict(spent) if isinstance(spent, LoaderTime) else None
 

@@ -292,11 +292,15 @@ def test_the_prefetch_depth_changes_no_batch(corpus):
     [("cpu", 1), ("cpu", 3), pytest.param("gpu", 1, marks=pytest.mark.gpu)],
 )
 def test_generator_state_resumes_the_dither_exactly(corpus, device, prefetch):
-    """A loader restored from (position, generator state) after one batch gives the second
-    batch bit for bit; one restored from the position alone dithers differently. On the GPU
-    the features (and the dither) are DALI's GPU operators. However far DALI has run ahead."""
+    """DALI's features on the CPU: a loader restored from (position, generator state) after
+    one batch gives the second batch bit for bit; one restored from the position alone
+    dithers differently. However far DALI has run ahead. With the device stage (data.device
+    gpu; on a GPU where there is one, else on the host), every draw is a function of the
+    batch's seed, and the position alone resumes it exactly."""
     cfg = _cfg("dali")
-    cfg.data.device = device
+    stage = device == "gpu" or prefetch == 3
+    cfg.data.device = "gpu" if stage else "cpu"
+    cfg.data.resampling_device = "gpu" if stage else "cpu"
     cfg.data.device_prefetch = prefetch
 
     def loader():
@@ -311,7 +315,9 @@ def test_generator_state_resumes_the_dither_exactly(corpus, device, prefetch):
     position = first.state_dict()  # DALI has fetched ahead: the position counts what was taken
     assert position["batches_done"] == 1
     generators = first.generator_state()
+    assert bool(generators) != stage
     reference = next(batches)
+    assert reference.feats.device.type == ("cuda" if device == "gpu" else "cpu")
 
     resumed = loader()
     resumed.load_state_dict(position)
@@ -324,7 +330,69 @@ def test_generator_state_resumes_the_dither_exactly(corpus, device, prefetch):
     control.load_state_dict(position)
     control.set_epoch(1)
     other = next(iter(control))
-    assert other.utt_ids == reference.utt_ids and not torch.equal(other.feats, reference.feats)
+    assert other.utt_ids == reference.utt_ids
+    assert torch.equal(other.feats, reference.feats) == stage
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_device_stage_on_dali_decoding_gives_the_torch_backends_features(corpus, where):
+    """data.device gpu: DALI only decodes (int16 PCM), and the device stage that the torch
+    backend ends in computes the features. Undithered, the two backends then give the same
+    batches bit for bit, host lengths included: on a GPU (DALI copies its batch there), and
+    with the stage on the host."""
+    cfg = _cfg("dali", dither=0.0)
+    cfg.data.device = "gpu"
+    dali_loader = build_loader(cfg, corpus, train=False, device=where)
+    assert (dali_loader.stage.stream is None) == (where == "cpu")
+    torch_cfg = _cfg("torch", dither=0.0)
+    torch_cfg.data.device = "gpu"
+    by_torch = list(build_loader(torch_cfg, corpus, train=False, device=where))
+    by_dali = list(dali_loader)
+    assert len(by_dali) == len(by_torch) == 2
+    for d, t in zip(by_dali, by_torch, strict=True):
+        assert d.utt_ids == t.utt_ids and d.feats.device.type == where
+        assert torch.equal(d.feats, t.feats) and torch.equal(d.feat_lens, t.feat_lens)
+        assert torch.equal(d.host_lens[0], t.feat_lens.cpu())
+    # against DALI's own operators, as the torch backend's features are
+    on_host = _by_utt(build_loader(_cfg("dali", dither=0.0), corpus, train=False))
+    for batch in by_dali:
+        for row, utt_id in enumerate(batch.utt_ids):
+            feats = batch.feats[row, :, : int(batch.feat_lens[row])].cpu().numpy()
+            np.testing.assert_allclose(feats, on_host[utt_id], atol=1e-3, err_msg=utt_id)
+    spent = dali_loader.time
+    assert spent.workers > 0 and spent.queueing > 0
+
+
+def test_the_device_stage_perturbs_at_the_speeds_drawn_for_each_batch(corpus):
+    """Training with the stage resampling (data.resampling_device gpu): DALI decodes at the
+    files' rate and the stage resamples each utterance at the speed drawn from its batch's
+    seed; queued ahead or not, the batches are the same."""
+    from rnnt.data.features import draw_speeds
+    from rnnt.seeds import derive_seed
+
+    def epoch(prefetch: int) -> list:
+        cfg = _cfg("dali", dither=1e-5)
+        cfg.data.device = cfg.data.resampling_device = "gpu"
+        cfg.data.device_prefetch = prefetch
+        sampler = BucketingSampler([u.duration for u in corpus], 2, 1, 0, 1, seed=1)
+        loader = build_loader(cfg, corpus, train=True, sampler=sampler)
+        loader.set_epoch(2)
+        return list(loader)
+
+    batches = epoch(1)
+    assert len(batches) == 2
+    for prefetch in (0, 2):
+        for a, b in zip(epoch(prefetch), batches, strict=True):
+            assert a.utt_ids == b.utt_ids and torch.equal(a.feats, b.feats)
+    cfg = _cfg("dali")
+    plain = _by_utt(build_loader(_cfg("dali", dither=0.0), corpus, train=False))
+    for batch_no, batch in enumerate(batches):
+        seed = derive_seed(1, 0, 2, batch_no)  # (training.seed, rank, epoch, batch)
+        speeds = draw_speeds(cfg.features, len(batch), torch.Generator().manual_seed(seed))
+        for row, utt_id in enumerate(batch.utt_ids):
+            # the trimmed length at this row's speed, to the rounding of frames
+            expected = plain[utt_id].shape[1] / float(speeds[row])
+            assert abs(int(batch.feat_lens[row]) - expected) <= 2, (utt_id, float(speeds[row]))
 
 
 @pytest.mark.gpu

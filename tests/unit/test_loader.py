@@ -473,10 +473,10 @@ def test_queueing_the_training_stage_never_makes_the_host_wait(corpus):
     loader.warm_up()  # first launches build kernels and allocate
     torch.cuda.set_sync_debug_mode("error")
     try:
-        feats, dev_lens, pending = loader._launch(rows, lens, batch_seed=3)
+        queued = loader.stage.launch(rows, lens, seed=3)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    feats, dev_lens, host_lens = loader._finish(feats, dev_lens, pending)
+    feats, dev_lens, host_lens = loader.stage.finish(queued)
     assert torch.equal(host_lens, dev_lens.cpu()) and feats.shape[0] == 2
 
 
@@ -491,7 +491,7 @@ def test_gpu_feature_stage_on_its_side_stream_matches_the_cpu_stage(corpus, pref
     cfg = _cfg(device="gpu", device_prefetch=prefetch)
     cfg.features.dither = 0.0  # the one draw that differs between CPU and CUDA generators
     gpu_loader = build_loader(cfg, utts, root, train=False, device="cuda")
-    stream = gpu_loader.stream  # evaluation: the torch backend itself
+    stream = gpu_loader.stage.stream  # evaluation: the torch backend itself
     least, greatest = stream.priority_range()
     assert stream.priority == (least if prefetch else greatest)
     on_gpu = _batches(gpu_loader)
