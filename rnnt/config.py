@@ -217,8 +217,8 @@ class DataConfig(_Section):
     device: Place = "gpu"  # where the feature stage runs
     resampling_device: Place = "cpu"
     num_threads: int = 4
-    # batches whose features are computed ahead of the one the trainer takes: the torch
-    # backend's GPU stage (data.device gpu; 0: computed when taken, the host waiting for it)
+    # batches whose features are computed ahead of the one the trainer takes: the GPU stage
+    # of either backend (data.device gpu; 0: computed when taken, the host waiting for it)
     # and DALI's prefetch queue (it holds one more)
     device_prefetch: int = 1
     # exclude and count the utterances the preflight finds bad (manifest line, audio path,
