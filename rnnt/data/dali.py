@@ -1,8 +1,9 @@
 """DALI input pipeline: the front end of `rnnt.data.features` built from DALI operators.
 
 The batch composition comes from Python: an `external_source` is fed, per iteration, the
-encoded bytes of the files the sampler chose (read here, so a missing file is named before
-DALI sees it) and, where DALI resamples, their speed factors. Where the features are computed
+paths of the files the sampler chose (each opened first, so that a missing file is named
+before DALI sees it) and, where DALI resamples, their speed factors; DALI reads the files on
+its own threads (`fn.io.file.read`). Where the features are computed
 depends on data.device, as in the torch backend:
 
 * cpu: everything runs inside DALI's CPU operators: decode (mono, resampled to
@@ -35,7 +36,6 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -85,7 +85,7 @@ def build_pipeline(
     resampled, audio shapes (B, 1)), the feature stage's input, on GPU `device_id` (on the
     host where that is None: a stage on the CPU, as tests run it).
 
-    `source` is an external_source iterable yielding [encoded uint8 arrays] per batch, with
+    `source` is an external_source iterable yielding [UTF-8 paths as uint8 arrays] per batch, with
     [speeds] beside them where DALI resamples (`feeds_speeds`), and raising StopIteration at
     the end of an epoch (cycle="raise"). `prefetch`: the batches DALI computes ahead of the one
     taken (data.device_prefetch; its queue holds one more). `checkpoint`: what
@@ -118,16 +118,15 @@ def build_pipeline(
     )
     def pipe():
         if with_speeds:
-            encoded, speed = fn.external_source(
+            paths, speed = fn.external_source(
                 source=source, num_outputs=2, batch=True, cycle="raise",
                 dtype=[types.UINT8, types.FLOAT],
             )  # fmt: skip
             target_rate = cfg.sample_rate / speed
         else:
-            encoded = fn.external_source(
-                source=source, batch=True, cycle="raise", dtype=types.UINT8
-            )
+            paths = fn.external_source(source=source, batch=True, cycle="raise", dtype=types.UINT8)
             target_rate = float(cfg.sample_rate)
+        encoded = fn.io.file.read(paths)
         if device == "gpu":
             # int16 where the stage resamples: half the bytes of float32 to copy, and the
             # stage's resampler reads PCM as it is
@@ -202,8 +201,8 @@ class DaliFeatureIterator:
     """FeatureBatches of an epoch of `plan` (a sampler: `batches(epoch, start)` yields lists
     of dataset indices), from a start position.
 
-    `read_batch(indices, epoch, batch_no)` returns (the indices it could read, their encoded
-    arrays, their speeds, the batch's seed); `finish(indices, feats, lens[, host lens])`
+    `read_batch(indices, epoch, batch_no)` returns (the indices it could read, their paths as
+    uint8 arrays, their speeds, the batch's seed); `finish(indices, feats, lens[, host lens])`
     builds the FeatureBatch; `diagnose(indices)` names a bad file in a batch DALI failed on;
     `unreadable` counts the utterances read_batch left out. All four come from
     `rnnt.data.loader`, which owns file and token access. `stage`: the device feature stage
@@ -269,23 +268,18 @@ class DaliFeatureIterator:
 
         class _Epoch:
             """Iterable for external_source: each iter() is the loader's current epoch from its
-            start position. DALI asks for a batch on the thread that runs the pipeline; the
-            next batch's files are already being read on another thread by then."""
+            start position. DALI asks for a batch on the thread that runs the pipeline, which
+            opens the batch's files and hands over their paths: DALI's threads read them."""
 
             def __iter__(self) -> Iterator:
                 epoch, start = owner.epoch, owner.start
-                batches = enumerate(owner.plan.batches(epoch, start), start=start)
-                with ThreadPoolExecutor(1, thread_name_prefix="dali-ahead") as ahead:
-                    reads = (ahead.submit(owner._read_batch, ix, epoch, no) for no, ix in batches)
-                    upcoming = next(reads, None)
-                    while upcoming is not None:
-                        current, upcoming = upcoming, next(reads, None)
-                        kept, encoded, speeds, seed = current.result()
-                        owner._pending.append((kept, speeds, seed))
-                        if owner._feeds_speeds:
-                            yield encoded, [np.float32(s) for s in speeds]
-                        else:
-                            yield encoded
+                for no, indices in enumerate(owner.plan.batches(epoch, start), start=start):
+                    kept, paths, speeds, seed = owner._read_batch(indices, epoch, no)
+                    owner._pending.append((kept, speeds, seed))
+                    if owner._feeds_speeds:
+                        yield paths, [np.float32(s) for s in speeds]
+                    else:
+                        yield paths
 
         return _Epoch()
 

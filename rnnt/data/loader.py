@@ -49,7 +49,6 @@ import multiprocessing.forkserver
 import os
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -444,10 +443,11 @@ def _one_thread(_worker_id: int) -> None:
 # DALI backend wiring: file access and diagnosis stay here, next to the torch backend's
 
 
-def _encoded(path: str) -> np.ndarray | str:
-    """A file's bytes, or the one-line message of why it cannot be read."""
+def _why_unreadable(path: str) -> str | None:
+    """None where the file opens for reading, else the one-line message of why it does not."""
     try:
-        return np.fromfile(path, dtype=np.uint8)
+        with open(path, "rb"):
+            return None
     except FileNotFoundError:
         return f"{path}: audio file not found"
     except OSError as err:
@@ -455,11 +455,14 @@ def _encoded(path: str) -> np.ndarray | str:
 
 
 class DaliFileSource:
-    """Encoded bytes and speeds of a batch for the DALI pipeline; names bad files.
+    """The paths and speeds of a batch for the DALI pipeline; names bad files.
 
-    The files of a batch are read by `threads` threads: DALI calls its source on the thread
-    that runs the pipeline, and one thread reading a batch's files one after another capped
-    DALI's rate (docs/PERFORMANCE.md, "Input pipeline on real audio")."""
+    DALI reads the files itself (`fn.io.file.read`) on its own threads, which hold no Python
+    lock. Read here, on Python threads of the training process, the files' bytes kept the
+    interpreter's lock busy, and the training loop's thread waited for it between one
+    launch and the next (docs/PERFORMANCE.md, "DALI reads its files itself"). Each file is
+    only opened here, so that a missing one is named, or dropped under data.skip_bad, before
+    DALI sees it."""
 
     def __init__(
         self,
@@ -470,7 +473,6 @@ class DaliFileSource:
         seed: int,
         rank: int,
         unreadable: UnreadableAudio,
-        threads: int = 1,
     ) -> None:
         self.utts = utts
         self.dataset_dir = dataset_dir
@@ -479,29 +481,30 @@ class DaliFileSource:
         self.seed = seed
         self.rank = rank
         self.unreadable = unreadable
-        self.readers = ThreadPoolExecutor(max(1, threads), thread_name_prefix="dali-read")
 
     def read(
         self, indices: Sequence[int], epoch: int, batch_no: int
     ) -> tuple[list[int], list, list, int]:
-        """(the indices whose files could be read, their bytes, their speeds, the batch's
-        seed). DALI decodes what it is fed: a file it cannot decode stops the run (diagnose)
-        even under data.skip_bad, since a sample cannot be taken out of a batch DALI already
-        holds. Evaluation's batches draw the same in every pass (their seeds ignore the
-        epoch), so that eval.py scores a checkpoint as the trainer's evaluation did."""
+        """(the indices whose files can be read, their paths as UTF-8 bytes, their speeds, the
+        batch's seed). DALI decodes what it is fed: a file it cannot decode stops the run
+        (diagnose) even under data.skip_bad, since a sample cannot be taken out of a batch
+        DALI already holds. Evaluation's batches draw the same in every pass (their seeds
+        ignore the epoch), so that eval.py scores a checkpoint as the trainer's evaluation
+        did."""
         seed = derive_seed(self.seed, self.rank, epoch if self.train else 0, batch_no)
         if self.train:
             speeds = draw_speeds(self.cfg, len(indices), torch.Generator().manual_seed(seed))
             speeds = speeds.tolist()
         else:
             speeds = [1.0] * len(indices)
-        paths = [audio_path(self.utts[i], self.dataset_dir) for i in indices]
         kept, encoded, kept_speeds, unreadable = [], [], [], []
-        for i, speed, data in zip(indices, speeds, self.readers.map(_encoded, paths)):
-            if isinstance(data, str):
-                unreadable.append(data)
+        for i, speed in zip(indices, speeds):
+            path = audio_path(self.utts[i], self.dataset_dir)
+            problem = _why_unreadable(path)
+            if problem is not None:
+                unreadable.append(problem)
                 continue
-            encoded.append(data)
+            encoded.append(np.frombuffer(path.encode(), dtype=np.uint8))
             kept.append(i)
             kept_speeds.append(speed)
         self.unreadable.handle(unreadable, len(kept))
@@ -581,9 +584,7 @@ def build_loader(
     else:
         from rnnt.data.dali import DaliFeatureIterator
 
-        files = DaliFileSource(
-            utts, dataset_dir, cfg.features, train, seed, rank, unreadable, cfg.data.num_threads
-        )
+        files = DaliFileSource(utts, dataset_dir, cfg.features, train, seed, rank, unreadable)
         stage = None
         if cfg.data.device == "gpu":
             perturb = train and cfg.data.resampling_device == "gpu"

@@ -242,10 +242,10 @@ def test_skip_bad_drops_a_file_that_cannot_be_read(corpus, tmp_path):
 
 
 def test_files_read_ahead_keep_their_order_and_a_later_bad_file_is_named(corpus, tmp_path):
-    """The batch's files are read on threads, the next batch's ahead of DALI: a missing file in
-    the second of two batches still stops the pass with one line naming it (DALI asks its
-    source for two batches before it hands out the first), or, skipped, leaves every other
-    utterance in the order of the run without it."""
+    """DALI reads the files on its threads, the next batch's ahead of the one handed out: a
+    missing file in the second of two batches still stops the pass with one line naming it
+    (DALI asks its source for two batches before it hands out the first), or, skipped, leaves
+    every other utterance in the order of the run without it, each with its own bytes."""
     cfg = _cfg("dali", dither=0.0)
     cfg.eval.batch_size = 3
     cfg.data.num_threads = 2
