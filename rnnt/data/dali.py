@@ -85,7 +85,7 @@ def build_pipeline(
     resampled, audio shapes (B, 1)), the feature stage's input, on GPU `device_id` (on the
     host where that is None: a stage on the CPU, as tests run it).
 
-    `source` is an external_source iterable yielding [UTF-8 paths as uint8 arrays] per batch, with
+    `source` is an external_source iterable yielding [file paths as uint8 arrays] per batch, with
     [speeds] beside them where DALI resamples (`feeds_speeds`), and raising StopIteration at
     the end of an epoch (cycle="raise"). `prefetch`: the batches DALI computes ahead of the one
     taken (data.device_prefetch; its queue holds one more). `checkpoint`: what
@@ -113,8 +113,9 @@ def build_pipeline(
         seed=seed,
         prefetch_queue_depth=1 + prefetch,
         exec_dynamic=True,
-        # the dither generator's state goes into the training checkpoints: an exact resume
-        enable_checkpointing=True,
+        # the CPU features' dither generator goes into the training checkpoints: an exact
+        # resume (the decoding for the device stage draws nothing)
+        enable_checkpointing=device == "cpu",
     )
     def pipe():
         if with_speeds:
@@ -190,6 +191,11 @@ def feeds_speeds(train: bool, device: str, resampling_device: str) -> bool:
     """Whether the pipeline takes the speeds: DALI resamples for speed perturbation unless the
     device's stage does (data.resampling_device gpu)."""
     return train and not (device == "gpu" and resampling_device == "gpu")
+
+
+def _lengths(shapes, axis: int) -> torch.Tensor:
+    """Each sample's extent along `axis`, from DALI's shapes output, as host int64."""
+    return torch.from_numpy(np.array(shapes.as_tensor())[:, axis].astype(np.int64))
 
 
 def _host_tensor(tensor_list) -> torch.Tensor:
@@ -326,8 +332,7 @@ class DaliFeatureIterator:
         self._passes += 1
         if self.stage is None:
             for (indices, _, _), (feats, shapes) in self._runs():
-                lens = torch.from_numpy(np.array(shapes.as_tensor())[:, 1].astype(np.int64))
-                yield self._finish(indices, _host_tensor(feats), lens)
+                yield self._finish(indices, _host_tensor(feats), _lengths(shapes, axis=1))
             return
         queued: deque[tuple[Sequence[int], QueuedFeatures]] = deque()
         for (indices, speeds, seed), (audio, shapes) in self._runs():
@@ -360,7 +365,7 @@ class DaliFeatureIterator:
         """Queue the device stage of DALI's padded audio: copied into a tensor of the stage's
         stream (DALI reuses its buffers), the copy and the stage behind DALI's work."""
         queueing = time.perf_counter()
-        lens = torch.from_numpy(np.array(shapes.as_tensor())[:, 0].astype(np.int64))
+        lens = _lengths(shapes, axis=0)
         source = audio
         if self.stage.stream is None:  # the stage on the host, where DALI left the batch
             padded = _host_tensor(audio)

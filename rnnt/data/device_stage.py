@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from rnnt.config import FeaturesConfig
+from rnnt.config import Config, FeaturesConfig
 from rnnt.data.features import FeatureExtractor, draw_speeds
 
 # CUDA maps a priority past the device's range to its highest one
@@ -83,6 +83,15 @@ class DeviceFeatureStage:
         if device.type == "cuda":
             priority = 0 if prefetch else HIGHEST_STREAM_PRIORITY
             self.stream = torch.cuda.Stream(device, priority=priority)
+
+    @classmethod
+    def for_run(
+        cls, cfg: Config, train: bool, device: torch.device, spent: LoaderTime
+    ) -> DeviceFeatureStage:
+        """The stage that `cfg` asks for (data.device gpu): it perturbs the speed where
+        data.resampling_device is gpu, and is queued data.device_prefetch batches ahead."""
+        perturb = train and cfg.data.resampling_device == "gpu"
+        return cls(cfg.features, train, perturb, device, cfg.data.device_prefetch, spent)
 
     def upload_context(self):
         """Where a producer's own copy of a batch onto the device must run (DALI's): on the

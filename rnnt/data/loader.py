@@ -305,9 +305,7 @@ class TorchFeatureLoader:
         self.prefetch = data.device_prefetch if data.device == "gpu" else 0
         self.stage = None
         if data.device == "gpu":
-            self.stage = DeviceFeatureStage(
-                cfg.features, train, perturb_on_device, device, self.prefetch, self.time
-            )
+            self.stage = DeviceFeatureStage.for_run(cfg, train, device, self.time)
         else:
             worker_extractor = FeatureExtractor(cfg.features, train, speed_perturb=False)
         dataset = AudioDataset(
@@ -485,7 +483,7 @@ class DaliFileSource:
     def read(
         self, indices: Sequence[int], epoch: int, batch_no: int
     ) -> tuple[list[int], list, list, int]:
-        """(the indices whose files can be read, their paths as UTF-8 bytes, their speeds, the
+        """(the indices whose files can be read, their paths as the OS's bytes, their speeds, the
         batch's seed). DALI decodes what it is fed: a file it cannot decode stops the run
         (diagnose) even under data.skip_bad, since a sample cannot be taken out of a batch
         DALI already holds. Evaluation's batches draw the same in every pass (their seeds
@@ -504,7 +502,7 @@ class DaliFileSource:
             if problem is not None:
                 unreadable.append(problem)
                 continue
-            encoded.append(np.frombuffer(path.encode(), dtype=np.uint8))
+            encoded.append(np.frombuffer(os.fsencode(path), dtype=np.uint8))
             kept.append(i)
             kept_speeds.append(speed)
         self.unreadable.handle(unreadable, len(kept))
@@ -587,9 +585,7 @@ def build_loader(
         files = DaliFileSource(utts, dataset_dir, cfg.features, train, seed, rank, unreadable)
         stage = None
         if cfg.data.device == "gpu":
-            perturb = train and cfg.data.resampling_device == "gpu"
-            prefetch = cfg.data.device_prefetch
-            stage = DeviceFeatureStage(cfg.features, train, perturb, device, prefetch, LoaderTime())
+            stage = DeviceFeatureStage.for_run(cfg, train, device, LoaderTime())
         loader = DaliFeatureIterator(
             cfg.features,
             train,

@@ -288,24 +288,29 @@ def test_the_prefetch_depth_changes_no_batch(corpus):
 
 
 @pytest.mark.parametrize(
-    "device, prefetch",
-    [("cpu", 1), ("cpu", 3), pytest.param("gpu", 1, marks=pytest.mark.gpu)],
+    "features, where, prefetch",
+    [
+        ("dali", "cpu", 1),
+        ("dali", "cpu", 3),
+        ("stage", "cpu", 1),
+        ("stage", "cpu", 3),
+        pytest.param("stage", "cuda", 1, marks=pytest.mark.gpu),
+    ],
 )
-def test_generator_state_resumes_the_dither_exactly(corpus, device, prefetch):
-    """DALI's features on the CPU: a loader restored from (position, generator state) after
-    one batch gives the second batch bit for bit; one restored from the position alone
+def test_generator_state_resumes_the_dither_exactly(corpus, features, where, prefetch):
+    """DALI's features (data.device cpu): a loader restored from (position, generator state)
+    after one batch gives the second batch bit for bit; one restored from the position alone
     dithers differently. However far DALI has run ahead. With the device stage (data.device
-    gpu; on a GPU where there is one, else on the host), every draw is a function of the
-    batch's seed, and the position alone resumes it exactly."""
+    gpu; on a GPU, or on the host), every draw is a function of the batch's seed, and the
+    position alone resumes it exactly."""
     cfg = _cfg("dali")
-    stage = device == "gpu" or prefetch == 3
+    stage = features == "stage"
     cfg.data.device = "gpu" if stage else "cpu"
     cfg.data.resampling_device = "gpu" if stage else "cpu"
     cfg.data.device_prefetch = prefetch
 
     def loader():
         sampler = BucketingSampler([u.duration for u in corpus], 2, 1, 0, 1, seed=1)
-        where = "cuda" if device == "gpu" else "cpu"
         return build_loader(cfg, corpus, train=True, sampler=sampler, device=where)
 
     first = loader()
@@ -317,7 +322,7 @@ def test_generator_state_resumes_the_dither_exactly(corpus, device, prefetch):
     generators = first.generator_state()
     assert bool(generators) != stage
     reference = next(batches)
-    assert reference.feats.device.type == ("cuda" if device == "gpu" else "cpu")
+    assert reference.feats.device.type == where
 
     resumed = loader()
     resumed.load_state_dict(position)
@@ -413,3 +418,21 @@ def test_dali_gpu_matches_cpu(corpus, resampling_device):
         assert gpu[utt_id].shape == ref.shape
         assert math.isfinite(float(np.abs(gpu[utt_id]).max()))
         np.testing.assert_allclose(gpu[utt_id], ref, atol=1e-3, err_msg=utt_id)
+
+
+def test_dali_reads_a_file_whose_name_is_not_ascii(corpus, tmp_path):
+    """DALI reads the files from the paths it is handed as bytes: a name outside ASCII gives
+    the same features as the same file under its first name."""
+    import shutil
+
+    source = corpus[0]
+    renamed = tmp_path / f"voix-é-{source.utt_id}.wav"
+    shutil.copy(source.audio, renamed)
+    cfg = _cfg("dali", dither=0.0)
+    cfg.eval.batch_size = 1
+    original = _by_utt(build_loader(cfg, [source], train=False))[source.utt_id]
+    moved = Utterance(
+        source.utt_id, str(renamed), source.duration, source.transcript, source.tokens
+    )
+    again = _by_utt(build_loader(cfg, [moved], train=False))[source.utt_id]
+    np.testing.assert_array_equal(again, original)
