@@ -48,7 +48,10 @@ def _repo_text_files() -> list[Path]:
 
 
 def _sections(doc: Path = SPEC) -> set[str]:
-    return {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", doc.read_text(), re.M)}
+    """Every heading of `doc`, also without its closing "(machine, date)" if it has one: a
+    citation names the section by its title."""
+    titles = {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", doc.read_text(), re.M)}
+    return titles | {re.sub(r" \([^()]*\)$", "", t) for t in titles}
 
 
 def _table(heading: str) -> list[list[str]]:
@@ -61,13 +64,14 @@ def _table(heading: str) -> list[list[str]]:
 
 
 def test_every_citation_of_the_specs_and_the_performance_notes_names_a_section():
-    """`docs/SPEC.md "Model"`, `docs/PERFORMANCE.md "Chunk size"`: the section must exist (a
-    quoted name may wrap onto a comment's next line)."""
+    """`docs/SPEC.md "Model"`, `docs/PERFORMANCE.md "Chunk size"` or `(docs/PERFORMANCE.md,
+    "Chunk size")`: the section must exist (a quoted name may wrap onto a comment's next
+    line)."""
     docs = {"SPEC": SPEC, "PERFORMANCE": ROOT / "docs" / "PERFORMANCE.md"}
     sections = {name: _sections(path) for name, path in docs.items()}
     assert {"Model", "Data", "Training", "Evaluation", "Logging"} <= sections["SPEC"]
     cited, unresolved = {name: 0 for name in docs}, []
-    pattern = r"(\S*)(SPEC|PERFORMANCE)\.md`?(?: \"([^\"]+)\")?"
+    pattern = r"(\S*)(SPEC|PERFORMANCE)\.md`?(?:,? \"([^\"]+)\")?"
     for path in _repo_text_files():
         if path in (*docs.values(), Path(__file__)):
             continue
