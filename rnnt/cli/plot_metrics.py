@@ -3,10 +3,16 @@
 python scripts/plot_metrics.py results/metrics.jsonl [--out results/metrics.png]
 python scripts/plot_metrics.py fast/metrics.jsonl plain/metrics.jsonl --labels fast plain \
     --out curves.png --table
+python scripts/plot_metrics.py f1.jsonl f2.jsonl p1.jsonl p2.jsonl \
+    --labels "fast s1" "fast s2" "plain s1" "plain s2" --band plain --out forks.png
 
 Several runs are drawn over each other. `--table` prints, per epoch, each run's mean training
 loss and its dev WER as a Markdown table; every call prints each run's summary (median step
-time and data wait over its logged windows, last WER).
+time and data wait over its logged windows, last WER). `--band PREFIX` makes the runs whose
+labels start with PREFIX a reference group: a third panel draws every other run's dev WER
+relative to the group's mean, epoch by epoch, over the group's range, and the call prints how
+many runs lie inside that range at each epoch. Runs that differ by chance alone sit a point or
+less apart on the full scale, where no difference can be read.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import matplotlib
 
@@ -42,8 +49,67 @@ def _evals(records: list[dict]) -> list[dict]:
     return [r for r in records if r["kind"] == "eval"]
 
 
-def plot(runs: dict[str, list[dict]], out: Path) -> None:
-    fig, (ax_loss, ax_wer) = plt.subplots(1, 2, figsize=(12, 4.5))
+def _wers(records: list[dict]) -> dict[int, float]:
+    return {r["epoch"]: r["wer"] for r in _evals(records) if _is_number(r.get("wer"))}
+
+
+class Band(NamedTuple):
+    """The reference group of `--band`: the epochs every one of its runs was evaluated after,
+    and there its mean dev WER and the lowest and highest relative to that mean (%)."""
+
+    epochs: list[int]
+    mean: list[float]
+    low: list[float]
+    high: list[float]
+
+
+def band(runs: dict[str, list[dict]], prefix: str) -> tuple[Band, dict[str, list[tuple]]]:
+    """The group of runs labelled PREFIX..., and each other run's (epoch, dev WER relative to
+    the group's mean in %) at the group's epochs. ValueError if fewer than two runs match or
+    they share no evaluated epoch."""
+    group = {name: _wers(r) for name, r in runs.items() if name.startswith(prefix)}
+    if len(group) < 2:
+        raise ValueError(
+            f"--band {prefix}: needs at least two runs labelled {prefix}..., got {len(group)}"
+        )
+    epochs = sorted(set.intersection(*(set(w) for w in group.values())))
+    if not epochs:
+        raise ValueError(f"--band {prefix}: its runs share no evaluated epoch")
+    mean = [statistics.fmean(w[e] for w in group.values()) for e in epochs]
+
+    def relative(wer: float, m: float) -> float:
+        return 100 * (wer / m - 1)
+
+    low = [relative(min(w[e] for w in group.values()), m) for e, m in zip(epochs, mean)]
+    high = [relative(max(w[e] for w in group.values()), m) for e, m in zip(epochs, mean)]
+    others = {}
+    for name, records in runs.items():
+        if name in group:
+            continue
+        wers = _wers(records)
+        others[name] = [
+            (e, relative(wers[e], m)) for e, m in zip(epochs, mean, strict=True) if e in wers
+        ]
+    return Band(epochs, mean, low, high), others
+
+
+def band_lines(prefix: str, ref: Band, others: dict[str, list[tuple]]) -> list[str]:
+    """Per epoch: the group's mean and range, and how many other runs lie inside it."""
+    lines = []
+    for i, e in enumerate(ref.epochs):
+        rel = [r for points in others.values() for ep, r in points if ep == e]
+        inside = sum(ref.low[i] <= r <= ref.high[i] for r in rel)
+        above = sum(r > ref.high[i] for r in rel)
+        lines.append(
+            f"epoch {e}: {prefix} mean {100 * ref.mean[i]:.2f}% (range {ref.low[i]:+.1f}% to "
+            f"{ref.high[i]:+.1f}%); others {inside} of {len(rel)} inside, {above} above"
+        )
+    return lines
+
+
+def plot(runs: dict[str, list[dict]], out: Path, band_of: str | None = None) -> None:
+    fig, axes = plt.subplots(1, 3 if band_of else 2, figsize=(18 if band_of else 12, 4.5))
+    ax_loss, ax_wer = axes[:2]
     ax_lr = ax_loss.twinx()
     several = len(runs) > 1
     for name, records in runs.items():
@@ -74,6 +140,20 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
     ax_wer.set_ylabel("WER (%)")
     ax_wer.set_title("evaluation (EMA weights)")
     ax_wer.legend(loc="upper right")
+    if band_of:
+        ref, others = band(runs, band_of)
+        ax_band = axes[2]
+        ax_band.fill_between(
+            ref.epochs, ref.low, ref.high, color="tab:gray", alpha=0.3,
+            label=f"{band_of} runs' range",
+        )  # fmt: skip
+        ax_band.axhline(0.0, color="tab:gray", linewidth=0.8)
+        for name, points in others.items():
+            ax_band.plot([e for e, _ in points], [r for _, r in points], marker="o", label=name)
+        ax_band.set_xlabel("epoch")
+        ax_band.set_ylabel(f"dev WER relative to the {band_of} runs' mean (%)")
+        ax_band.set_title(f"against the {band_of} runs")
+        ax_band.legend(loc="best", fontsize="small")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -160,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="PNG (default: beside METRICS)")
     parser.add_argument("--table", action="store_true", help="print the per-epoch table")
     parser.add_argument("--summary-only", action="store_true", help="draw nothing")
+    parser.add_argument(
+        "--band",
+        metavar="PREFIX",
+        default=None,
+        help="the runs labelled PREFIX... as a reference group: the others' dev WER against it",
+    )
     args = parser.parse_args(argv)
     labels = args.labels or [p.parent.name or str(p) for p in args.metrics]
     if len(labels) != len(args.metrics) or len(set(labels)) != len(labels):
@@ -182,9 +268,16 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(label, records))
     if args.table:
         print(epoch_table(runs))
+    if args.band is not None:
+        try:
+            ref, others = band(runs, args.band)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print("\n".join(band_lines(args.band, ref, others)))
     if not args.summary_only:
         out = args.out or args.metrics[0].with_suffix(".png")
-        plot(runs, out)
+        plot(runs, out, args.band)
         print(f"wrote {out}")
     return 0
 

@@ -347,3 +347,56 @@ def test_the_summary_gives_the_last_epochs_steady_state():
         record["host_lead_ms"] = lead
     # each epoch's first window left out: the median of 40, 2, 30, 20, 10 and 50
     assert "median host lead 25.0 ms" in summary("real", records)
+
+
+def test_the_band_places_each_run_against_a_reference_groups_range(tmp_path, repo_root):
+    """--band plain: the plain runs' mean and range at the epochs they share, every other
+    run's dev WER relative to that mean, and how many lie inside the range."""
+    from rnnt.cli.plot_metrics import band
+
+    def evals(wers: dict[int, float]) -> list[dict]:
+        return [{"kind": "eval", "epoch": e, "wer": w} for e, w in wers.items()]
+
+    runs = {
+        "plain s1": evals({9: 0.40, 10: 0.20}),
+        "plain s2": evals({9: 0.60, 10: 0.30, 11: 0.1}),
+        "fast s1": evals({1: 0.99, 9: 0.55, 10: 0.30}),
+    }
+    ref, others = band(runs, "plain")
+    assert ref.epochs == [9, 10]  # 11: not every plain run has it
+    assert ref.mean == pytest.approx([0.50, 0.25])
+    assert ref.low == pytest.approx([-20.0, -20.0]) and ref.high == pytest.approx([20.0, 20.0])
+    assert list(others) == ["fast s1"]
+    assert [e for e, _ in others["fast s1"]] == [9, 10]
+    assert [r for _, r in others["fast s1"]] == pytest.approx([10.0, 20.0])
+    with pytest.raises(ValueError, match="at least two runs labelled cudnn"):
+        band(runs, "cudnn")
+
+    paths = []
+    for name, records in runs.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        paths.append(str(path))
+    script = repo_root / "scripts" / "plot_metrics.py"
+    out = tmp_path / "band.png"
+    args = [sys.executable, str(script), *paths, "--labels", *runs, "--band", "plain"]
+    result = subprocess.run([*args, "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert (
+        "epoch 9: plain mean 50.00% (range -20.0% to +20.0%); others 1 of 1 inside, 0 above"
+        in lines
+    )
+    assert (
+        "epoch 10: plain mean 25.00% (range -20.0% to +20.0%); others 1 of 1 inside, 0 above"
+        in lines
+    )
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(data[16:20], "big") == 1800  # the third panel
+    result = subprocess.run([*args[:-1], "fast"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        == "error: --band fast: needs at least two runs labelled fast..., got 1"
+    )
