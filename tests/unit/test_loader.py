@@ -22,11 +22,18 @@ import torch
 import rnnt.data.dali as dali_module
 from rnnt.config import Config, ConfigError
 from rnnt.data.features import AudioFileError, FeatureExtractor, read_audio
-from rnnt.data.loader import BatchAssembler, audio_path, build_loader, resolve_backend
+from rnnt.data.loader import (
+    BatchAssembler,
+    WorkerCollate,
+    audio_path,
+    build_loader,
+    resolve_backend,
+)
 from rnnt.data.manifest import Utterance, read_manifest
 from rnnt.data.sampler import SamplerStateError
 from rnnt.data.tokenizer import Tokenizer, train_tokenizer
 from rnnt.prep.synthetic_corpus import plan_split, synthesize
+from rnnt.seeds import derive_seed
 
 
 @pytest.fixture(scope="module")
@@ -549,3 +556,27 @@ def test_batch_assembler_pads_each_rows_tokens_in_order():
     assert batch.host_lens[1].tolist() == [236, 0, 3, 2, 1, 0]
     empty = assemble([1, 4], torch.zeros(2, 2, 4), torch.full((2,), 4))
     assert torch.equal(empty.tokens, torch.zeros(2, 1, dtype=torch.int64))
+
+
+def test_a_worker_keeps_its_last_two_padded_batches_after_sending_them(monkeypatch):
+    """The collate pads the rows and seeds the batch; in a worker process it also keeps the
+    last two padded batches referenced, so that the worker, not the training process, frees
+    their shared memory (bench/worker_handoff.py). Outside a worker it keeps nothing."""
+    collate = WorkerCollate()
+
+    def items(k: int) -> list:
+        rows = [torch.full((3 + k,), k, dtype=torch.int16), torch.ones(2, dtype=torch.int16)]
+        return [(2 * k, 7 + k, rows[0]), (2 * k + 1, 9, rows[1]), (99, 5, "x.wav: unreadable")]
+
+    indices, seed, padded, lens, unreadable = collate(items(0))
+    assert indices == [0, 1] and seed == derive_seed(7, 9, 5)
+    assert padded.tolist() == [[0, 0, 0], [1, 1, 0]] and lens.tolist() == [3, 2]
+    assert unreadable == ["x.wav: unreadable"]
+    assert len(collate.sent) == 0  # the training process itself (no workers)
+
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
+    sent = [collate(items(k))[2] for k in range(3)]
+    assert [t is s for t, s in zip(collate.sent, sent[1:], strict=True)] == [True, True]
+    none_kept = WorkerCollate(keep=0)
+    none_kept(items(0))
+    assert len(none_kept.sent) == 0

@@ -1,0 +1,149 @@
+"""What the training process pays for each padded batch that a torch-loader worker sends it.
+
+The workers run the loader's own collate function (`rnnt.data.loader.WorkerCollate`) on rows
+of int16 PCM, by default 192 utterances of 16.7 s at 16 kHz (a 103 MB batch), and the
+DataLoader starts them as the loader does (`worker_processes`), two batches asked of each
+worker at a time. Per batch, timed in the training process:
+- receive: `next()` on the DataLoader's iterator (with any wait for the workers);
+- copy: one copy into a buffer mapped long before, which touches every page of the batch's
+  fresh mapping, as the pin-memory thread's copy to pinned memory does;
+- drop: releasing the batch, where the last reference frees its shared-memory segment;
+- how far a second Python thread of the training process got during the drop, against its
+  rate while the main thread sleeps: near 0 means the drop held the interpreter's lock.
+With `keep` 0 (the workers release each batch once sent) and the loader's default (they keep
+their last two), medians over the batches. No GPU is needed.
+
+    python bench/worker_handoff.py [--batch 192] [--seconds 16.7] [--workers 2] [--batches 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from rnnt.data.loader import WorkerCollate, worker_processes
+
+
+class NoiseRows(Dataset):
+    """Items as the loader's dataset gives them: (index, seed, int16 row), cheap to make so
+    that the workers leave the cores to the training process."""
+
+    def __init__(self, samples: int) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, index: int):
+        row = torch.full((self.samples,), index % 1000, dtype=torch.int16)
+        return index, index, row
+
+
+class Ticker:
+    """A Python thread that counts as fast as the interpreter's lock lets it, while `go` is
+    set (idle otherwise, so that it takes nothing from the copies timed in between)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.go = threading.Event()
+        self.running = True
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while self.running:
+            self.go.wait(0.1)
+            while self.go.is_set():
+                self.count += 1
+
+    def rate(self, seconds: float) -> float:
+        """Counts a second while the main thread sleeps."""
+        start = self.count
+        self.go.set()
+        time.sleep(seconds)
+        self.go.clear()
+        return (self.count - start) / seconds
+
+
+def measure(keep: int, batch: int, samples: int, workers: int, batches: int) -> dict:
+    rows_per_batch = [list(range(i * batch, (i + 1) * batch)) for i in range(batches)]
+    loader = DataLoader(
+        NoiseRows(samples),
+        batch_sampler=rows_per_batch,
+        num_workers=workers,
+        collate_fn=WorkerCollate(keep=keep),
+        # the loader's default: each worker has at most two batches asked of it, so a worker
+        # cannot run further ahead of the training process than it does in training
+        prefetch_factor=2,
+        multiprocessing_context=worker_processes(),
+    )
+    batches_in = iter(loader)
+    target = torch.empty(batch, samples, dtype=torch.int16)
+    target.fill_(0)  # mapped and touched here, long before the batches
+    first = next(batches_in)  # the workers have started; their queue fills now
+    del first
+    time.sleep(3.0)
+    # handing the lock over every 0.1 ms, not every 5: the other thread's count then shows
+    # whether the drop held it, and the handovers add little to the times
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    ticker = Ticker()
+    idle_rate = ticker.rate(0.05)
+    receive, copy, drop, progress = [], [], [], []
+    for _ in range(batches - 1):
+        t0 = time.perf_counter()
+        _indices, _seed, padded, _lens, _unreadable = next(batches_in)
+        t1 = time.perf_counter()
+        target[:, : padded.shape[1]].copy_(padded)
+        t2 = time.perf_counter()
+        ticks = ticker.count
+        ticker.go.set()
+        t_drop = time.perf_counter()
+        del padded
+        t3 = time.perf_counter()
+        ticker.go.clear()
+        progress.append((ticker.count - ticks) / (t3 - t_drop) / idle_rate)
+        receive.append(t1 - t0)
+        copy.append(t2 - t1)
+        drop.append(t3 - t_drop)
+    ticker.running = False
+    ticker.go.clear()
+    sys.setswitchinterval(switch)
+    del batches_in
+    return {
+        "keep": keep,
+        "receive_ms": 1e3 * statistics.median(receive),
+        "copy_ms": 1e3 * statistics.median(copy),
+        "drop_ms": 1e3 * statistics.median(drop),
+        "other_thread_during_drop": statistics.median(progress),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=192, help="utterances a batch")
+    parser.add_argument("--seconds", type=float, default=16.7, help="each utterance's length")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batches", type=int, default=10)
+    args = parser.parse_args()
+    samples = round(args.seconds * 16000)
+    mb = args.batch * samples * 2 / 1e6
+    default_keep = WorkerCollate().sent.maxlen
+    for keep in (0, default_keep):
+        r = measure(keep, args.batch, samples, args.workers, args.batches)
+        print(
+            f"keep {keep}: {mb:.0f} MB a batch: receive {r['receive_ms']:.1f} ms, copy "
+            f"{r['copy_ms']:.1f} ms, drop {r['drop_ms']:.1f} ms; another thread ran at "
+            f"{100 * r['other_thread_during_drop']:.0f}% of its idle rate during the drop",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
