@@ -66,15 +66,17 @@ class Band(NamedTuple):
 def band(runs: dict[str, list[dict]], prefix: str) -> tuple[Band, dict[str, list[tuple]]]:
     """The group of runs labelled PREFIX..., and each other run's (epoch, dev WER relative to
     the group's mean in %) at the group's epochs. ValueError if fewer than two runs match or
-    they share no evaluated epoch."""
+    they share no evaluated epoch (with a WER above 0)."""
     group = {name: _wers(r) for name, r in runs.items() if name.startswith(prefix)}
     if len(group) < 2:
         raise ValueError(
             f"--band {prefix}: needs at least two runs labelled {prefix}..., got {len(group)}"
         )
-    epochs = sorted(set.intersection(*(set(w) for w in group.values())))
+    shared = sorted(set.intersection(*(set(w) for w in group.values())))
+    # relative to a mean WER of 0 is undefined: such epochs are left out
+    epochs = [e for e in shared if any(w[e] > 0 for w in group.values())]
     if not epochs:
-        raise ValueError(f"--band {prefix}: its runs share no evaluated epoch")
+        raise ValueError(f"--band {prefix}: its runs share no evaluated epoch with a WER above 0")
     mean = [statistics.fmean(w[e] for w in group.values()) for e in epochs]
 
     def relative(wer: float, m: float) -> float:
@@ -143,10 +145,10 @@ def plot(runs: dict[str, list[dict]], out: Path, band_of: str | None = None) -> 
     if band_of:
         ref, others = band(runs, band_of)
         ax_band = axes[2]
+        label = f"{band_of} runs' range"
         ax_band.fill_between(
-            ref.epochs, ref.low, ref.high, color="tab:gray", alpha=0.3,
-            label=f"{band_of} runs' range",
-        )  # fmt: skip
+            ref.epochs, ref.low, ref.high, color="tab:gray", alpha=0.3, label=label
+        )
         ax_band.axhline(0.0, color="tab:gray", linewidth=0.8)
         for name, points in others.items():
             ax_band.plot([e for e, _ in points], [r for _, r in points], marker="o", label=name)

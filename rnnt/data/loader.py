@@ -413,8 +413,11 @@ class WorkerCollate:
     about 30 ms for a 100 MB batch of PCM (`bench/worker_handoff.py`). Done in the training
     process, by the pin-memory thread, that stalls the thread that queues the steps and the
     feature stage. Held here a little longer, the segment is freed by the worker, which has
-    time to spare. Each worker process has its own copy (the DataLoader pickles this
-    object to it); in the training process itself (no workers) nothing is kept."""
+    time to spare. Two suffice: the DataLoader asks at most two batches of a worker at a time
+    (its prefetch_factor), so when a worker makes the batch after next, the training process
+    has taken the one it sent before, pinned it and let it go. Each worker process has its
+    own copy (the DataLoader pickles this object to it); in the training process itself (no
+    workers) nothing is kept."""
 
     def __init__(self, keep: int = 2) -> None:
         self.sent: collections.deque[torch.Tensor] = collections.deque(maxlen=keep)
