@@ -25,7 +25,8 @@
 #
 # Real audio (the convergence check of docs/CONVERGENCE.md), on one warm machine, in order:
 #   bash bench/gpu_session.sh corpus      # espeak-ng from .carry/debs; the sentences corpus
-#   bash bench/gpu_session.sh pipeline    # bench/data_pipeline.py on it, every backend here
+#   bash bench/gpu_session.sh pipeline    # bench/data_pipeline.py on it, every backend here;
+#                                         # bench/worker_handoff.py beside it
 #   bash bench/gpu_session.sh multireal   # train.py on its audio on every GPU here (NCCL);
 #                                         # PER_GPU=48 EPOCHS=30 TARGET=0.058 on 4 GPUs: the
 #                                         # convergence run's schedule, to the target
@@ -285,7 +286,9 @@ case "$phase" in
     # shellcheck disable=SC2086
     python3 bench/data_pipeline.py --manifest "$corpus/sentences-train.jsonl" --dataset-dir "$corpus" \
       --backends ${BACKENDS:-torch dali} --resampling ${RESAMPLING:-gpu cpu} --threads ${THREADS:-4 8} \
-      ${PROFILE:+--profile} --json "$OUT/data_pipeline_$tag.json" 2>&1 | tee "$OUT/data_pipeline_$tag.log" ;;
+      ${PROFILE:+--profile} --json "$OUT/data_pipeline_$tag.json" 2>&1 | tee "$OUT/data_pipeline_$tag.log"
+    # what each torch-loader batch costs the training process on this host's cores
+    python3 bench/worker_handoff.py --workers 4 2>&1 | grep "^keep" | tee "$OUT/worker_handoff.log" ;;
   realstep)
     # the fast path's trainer for EPOCHS (2) epochs on the corpus's audio, then on synthetic
     # batches of the same utterances' lengths and transcripts (a lengths table written from the
