@@ -132,6 +132,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batches", type=int, default=10)
     args = parser.parse_args()
+    if args.workers < 1 or args.batches < 2 or args.batch < 1 or args.seconds <= 0:
+        parser.error(
+            "--workers >= 1, --batches >= 2 (the first is not timed), --batch >= 1 "
+            "and --seconds > 0"
+        )
     samples = round(args.seconds * 16000)
     mb = args.batch * samples * 2 / 1e6
     default_keep = WorkerCollate().sent.maxlen

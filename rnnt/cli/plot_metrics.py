@@ -11,8 +11,8 @@ loss and its dev WER as a Markdown table; every call prints each run's summary (
 time and data wait over its logged windows, last WER). `--band PREFIX` makes the runs whose
 labels start with PREFIX a reference group: a third panel draws every other run's dev WER
 relative to the group's mean, epoch by epoch, over the group's range, and the call prints how
-many runs lie inside that range at each epoch. Runs that differ by chance alone sit a point or
-less apart on the full scale, where no difference can be read.
+many runs lie inside, above and below that range at each epoch. Runs that differ by chance
+alone sit a point or less apart on the full scale, where no difference can be read.
 """
 
 from __future__ import annotations
@@ -96,21 +96,29 @@ def band(runs: dict[str, list[dict]], prefix: str) -> tuple[Band, dict[str, list
 
 
 def band_lines(prefix: str, ref: Band, others: dict[str, list[tuple]]) -> list[str]:
-    """Per epoch: the group's mean and range, and how many other runs lie inside it."""
+    """Per epoch: the group's mean and range, and how many other runs lie inside, above and
+    below it."""
     lines = []
     for i, e in enumerate(ref.epochs):
         rel = [r for points in others.values() for ep, r in points if ep == e]
-        inside = sum(ref.low[i] <= r <= ref.high[i] for r in rel)
         above = sum(r > ref.high[i] for r in rel)
+        below = sum(r < ref.low[i] for r in rel)
         lines.append(
             f"epoch {e}: {prefix} mean {100 * ref.mean[i]:.2f}% (range {ref.low[i]:+.1f}% to "
-            f"{ref.high[i]:+.1f}%); others {inside} of {len(rel)} inside, {above} above"
+            f"{ref.high[i]:+.1f}%); others {len(rel) - above - below} of {len(rel)} inside, "
+            f"{above} above, {below} below"
         )
     return lines
 
 
-def plot(runs: dict[str, list[dict]], out: Path, band_of: str | None = None) -> None:
-    fig, axes = plt.subplots(1, 3 if band_of else 2, figsize=(18 if band_of else 12, 4.5))
+def plot(
+    runs: dict[str, list[dict]],
+    out: Path,
+    against: tuple[str, Band, dict[str, list[tuple]]] | None = None,
+) -> None:
+    """The loss and dev WER panels; with `against` ((prefix, *band(runs, prefix))), a third
+    with the other runs' dev WER relative to that group."""
+    fig, axes = plt.subplots(1, 3 if against else 2, figsize=(18 if against else 12, 4.5))
     ax_loss, ax_wer = axes[:2]
     ax_lr = ax_loss.twinx()
     several = len(runs) > 1
@@ -142,8 +150,8 @@ def plot(runs: dict[str, list[dict]], out: Path, band_of: str | None = None) -> 
     ax_wer.set_ylabel("WER (%)")
     ax_wer.set_title("evaluation (EMA weights)")
     ax_wer.legend(loc="upper right")
-    if band_of:
-        ref, others = band(runs, band_of)
+    if against:
+        band_of, ref, others = against
         ax_band = axes[2]
         label = f"{band_of} runs' range"
         ax_band.fill_between(
@@ -270,16 +278,17 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(label, records))
     if args.table:
         print(epoch_table(runs))
+    against = None
     if args.band is not None:
         try:
-            ref, others = band(runs, args.band)
+            against = (args.band, *band(runs, args.band))
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        print("\n".join(band_lines(args.band, ref, others)))
+        print("\n".join(band_lines(*against)))
     if not args.summary_only:
         out = args.out or args.metrics[0].with_suffix(".png")
-        plot(runs, out, args.band)
+        plot(runs, out, against)
         print(f"wrote {out}")
     return 0
 

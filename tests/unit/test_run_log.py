@@ -360,15 +360,17 @@ def test_the_band_places_each_run_against_a_reference_groups_range(tmp_path, rep
     runs = {
         "plain s1": evals({9: 0.40, 10: 0.20}),
         "plain s2": evals({9: 0.60, 10: 0.30, 11: 0.1}),
-        "fast s1": evals({1: 0.99, 9: 0.55, 10: 0.30}),
+        "fast s1": evals({1: 0.99, 9: 0.55, 10: 0.35}),
+        "fast s2": evals({9: 0.30, 10: 0.25}),
     }
     ref, others = band(runs, "plain")
     assert ref.epochs == [9, 10]  # 11: not every plain run has it
     assert ref.mean == pytest.approx([0.50, 0.25])
     assert ref.low == pytest.approx([-20.0, -20.0]) and ref.high == pytest.approx([20.0, 20.0])
-    assert list(others) == ["fast s1"]
-    assert [e for e, _ in others["fast s1"]] == [9, 10]
-    assert [r for _, r in others["fast s1"]] == pytest.approx([10.0, 20.0])
+    assert list(others) == ["fast s1", "fast s2"]
+    assert [e for e, _ in others["fast s1"]] == [9, 10]  # its epoch 1 has no plain mean
+    assert [r for _, r in others["fast s1"]] == pytest.approx([10.0, 40.0])
+    assert [r for _, r in others["fast s2"]] == pytest.approx([-40.0, 0.0])
     with pytest.raises(ValueError, match="at least two runs labelled cudnn"):
         band(runs, "cudnn")
 
@@ -384,19 +386,19 @@ def test_the_band_places_each_run_against_a_reference_groups_range(tmp_path, rep
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert (
-        "epoch 9: plain mean 50.00% (range -20.0% to +20.0%); others 1 of 1 inside, 0 above"
-        in lines
+        "epoch 9: plain mean 50.00% (range -20.0% to +20.0%); others 1 of 2 inside, 0 above, "
+        "1 below" in lines
     )
     assert (
-        "epoch 10: plain mean 25.00% (range -20.0% to +20.0%); others 1 of 1 inside, 0 above"
-        in lines
+        "epoch 10: plain mean 25.00% (range -20.0% to +20.0%); others 1 of 2 inside, 1 above, "
+        "0 below" in lines
     )
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert int.from_bytes(data[16:20], "big") == 1800  # the third panel
-    result = subprocess.run([*args[:-1], "fast"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([*args[:-1], "fast s1"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert (
         result.stderr.strip()
-        == "error: --band fast: needs at least two runs labelled fast..., got 1"
+        == "error: --band fast s1: needs at least two runs labelled fast s1..., got 1"
     )
