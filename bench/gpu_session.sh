@@ -75,6 +75,11 @@ gpus=$(nvidia-smi --list-gpus | wc -l)
 mkdir -p "$OUT"
 # the GPU machine runs this checkout uninstalled: the benchmarks and scripts import rnnt from it
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# PYTHONPATH for a trainer from the source tree $1: that tree first. A trainer imports its own
+# tree's rnnt (its script's folder leads sys.path), but the loader's forkserver does not get
+# that sys.path, and trees before the loader's own fix ran this checkout's loader in their
+# workers beside their own trainer.
+tree_path() { echo "$(cd "$1" && pwd):$PYTHONPATH"; }
 # Phases started side by side (ON_GPU) set the machine up one at a time: two unpacking DALI
 # or installing wheels into the same folder at once left broken or half-written files.
 exec 9>/tmp/gpu_session_setup.lock
@@ -167,7 +172,7 @@ start_runs() {
     log=$PWD/$runs/$name.log
     # only the run itself in the background: a backgrounded `cd && run` list would keep a
     # subshell holding this script's stdout (and a caller's pipe) open until the run ends
-    (cd "$src" || exit; CUDA_VISIBLE_DEVICES=$visible setsid nohup \
+    (cd "$src" || exit; PYTHONPATH=$(tree_path .) CUDA_VISIBLE_DEVICES=$visible setsid nohup \
       taskset -c "$cores" "${launch[@]}" train.py "$config" \
       --set training.seed="$seed" --set data.num_threads="$workers" "${extra[@]}" \
       --set training.output_dir="results/convergence/$name" > "$log" 2>&1 < /dev/null &
@@ -314,7 +319,8 @@ for line in open(sys.argv[1]):
       [ "$data" = synthetic ] && extra+=(--set data.backend=synthetic
         --set data.synthetic_train_lengths="$work/sentences_train_lengths.tsv"
         --set data.synthetic_val_lengths="$work/sentences_dev_lengths.tsv")
-      python3 "${SRC:-.}/train.py" "${SRC:-.}/configs/convergence/sentences.yaml" --overwrite \
+      PYTHONPATH=$(tree_path "${SRC:-.}") \
+        python3 "${SRC:-.}/train.py" "${SRC:-.}/configs/convergence/sentences.yaml" --overwrite \
         --set training.epochs="${EPOCHS:-2}" \
         --set data.backend="${BACKEND:-torch}" --set data.resampling_device="${RESAMPLING:-gpu}" \
         --set data.num_threads="${WORKERS:-8}" \
@@ -457,7 +463,7 @@ PY
             envs=(${!arm_env:-})
             [ -n "${COREDUMP:-}" ] && envs+=(CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1
               CUDA_ENABLE_LIGHTWEIGHT_COREDUMP=1 CUDA_COREDUMP_FILE="$OUT/stress/core_$name")
-            env "${envs[@]}" CUDA_VISIBLE_DEVICES="$g" \
+            env "${envs[@]}" PYTHONPATH="$(tree_path "$src")" CUDA_VISIBLE_DEVICES="$g" \
               taskset -c "$first-$(( first + share - 1 ))" timeout "$left" "${wrap[@]}" \
               python3 "$src/train.py" "$src/configs/convergence/sentences.yaml" --overwrite \
               --set training.seed=$(( ${SEED0:-10} + k + i * per_gpu )) \

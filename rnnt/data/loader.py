@@ -446,9 +446,24 @@ def worker_processes() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     # takes effect where the server has not started yet
     context.set_forkserver_preload(["torch", __name__])
-    # Started now, while the trainer builds its model and graphs: left to the first loader's
-    # iteration, the server's imports fall inside the timed region. It touches no data.
-    multiprocessing.forkserver.ensure_running()
+    # The server does not inherit this process's sys.path (CPython's forkserver drops it):
+    # it finds `rnnt` through PYTHONPATH and its working directory. With another checkout
+    # installed or on PYTHONPATH, the workers would run that checkout's loader beside this
+    # one's trainer, and from outside the repository an uninstalled checkout's workers would
+    # find none. So the server starts with this package's own root first on its path.
+    own_root = str(Path(__file__).resolve().parents[2])
+    inherited = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([own_root, *([inherited] if inherited else [])])
+    try:
+        # Started now, while the trainer builds its model and graphs: left to the first
+        # loader's iteration, the server's imports fall inside the timed region. It touches
+        # no data.
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if inherited is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = inherited
     return context
 
 

@@ -303,6 +303,42 @@ def test_the_worker_server_starts_with_the_loader_before_any_batch(corpus, tmp_p
     assert proc.stdout.strip() == "ready", proc.stderr[-2000:]
 
 
+_WHICH_LOADER = """
+import os
+
+from rnnt.data import loader
+
+if __name__ == "__main__":
+    with loader.worker_processes().Pool(1) as pool:
+        worker = pool.apply(eval, ("__import__('sys').modules['rnnt.data.loader'].__file__",))
+    print(loader.__file__)
+    print(worker)
+    print(os.environ["PYTHONPATH"])
+"""
+
+
+def test_workers_run_the_loader_of_the_trainer_that_started_them(tmp_path):
+    """A trainer run from a second checkout, with the first one on PYTHONPATH (or installed)
+    and from outside both: CPython's forkserver does not pass the trainer's sys.path on, so
+    its workers imported the first checkout's loader, and timed two versions as one."""
+    second = tmp_path / "second"
+    shutil.copytree(Path(__file__).parents[2] / "rnnt", second / "rnnt")
+    (second / "which_loader.py").write_text(_WHICH_LOADER)
+    proc = subprocess.run(
+        [sys.executable, str(second / "which_loader.py")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    trainer, worker, restored = proc.stdout.split()
+    assert Path(trainer) == second / "rnnt" / "data" / "loader.py"
+    assert worker == trainer
+    assert restored == str(Path(__file__).parents[2])  # the trainer's own is left as it was
+
+
 def test_batched_device_path_matches_per_utterance_path(corpus):
     utts, _, root = corpus
     per_utt = _cfg()
