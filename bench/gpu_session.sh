@@ -134,6 +134,9 @@ runs=results/convergence
 # a multi-GPU run to the target. WORKERS: loader processes per run (default: the share of
 # cores less two, at most 14). SETS: more `key=value` overrides for every run. SRC: another
 # source tree to run (as for `stress`): a run that must repeat an earlier one bit for bit.
+# Runs given the same GPU run one after another, in the order named: two plain runs at batch
+# 192 need more than an H200's memory, and processes sharing a GPU have died of an illegal
+# memory access (docs/CONVERGENCE.md). SHARE_GPUS=1 starts them all at once instead.
 start_runs() {
   local from=$1 prefix=$2  # with a checkpoint: $fork_to, the epoch to train to
   shift 2
@@ -147,7 +150,7 @@ start_runs() {
   workers=$(( share - 2 ))
   [ "$workers" -gt 14 ] && workers=14
   workers=${WORKERS:-$workers} fast_gpus=${FAST_GPUS:-1}
-  local i=0 name path seed config extra gpu n launch visible cores log
+  local i=0 name path seed config extra gpu n launch visible cores log lane
   for name in "$@"; do
     path=${name%_s*} seed=${name##*_s}
     config=configs/convergence/sentences.yaml extra=()
@@ -170,14 +173,28 @@ start_runs() {
     name=$prefix$name
     visible=$(seq -s, "$gpu" $(( gpu + n - 1 ))) cores="$(( gpu * share ))-$(( (gpu + n) * share - 1 ))"
     log=$PWD/$runs/$name.log
-    # only the run itself in the background: a backgrounded `cd && run` list would keep a
-    # subshell holding this script's stdout (and a caller's pipe) open until the run ends
-    (cd "$src" || exit; PYTHONPATH=$(tree_path .) CUDA_VISIBLE_DEVICES=$visible setsid nohup \
-      taskset -c "$cores" "${launch[@]}" train.py "$config" \
-      --set training.seed="$seed" --set data.num_threads="$workers" "${extra[@]}" \
-      --set training.output_dir="results/convergence/$name" > "$log" 2>&1 < /dev/null &
-     echo "$name: pid $!, GPUs $visible, cores $cores, $workers workers ${extra[*]}")
+    lane=$src/lane_$gpu.sh
+    [ -n "${SHARE_GPUS:-}" ] && lane=$src/lane_run$i.sh
+    [ -f "$lane" ] && echo "$name: GPUs $visible, after the runs before it on them"
+    [ -f "$lane" ] || echo "$name: GPUs $visible, cores $cores, $workers workers ${extra[*]}"
+    {
+      printf 'cd %q || exit\n' "$src"
+      printf '%q ' env PYTHONPATH="$(tree_path "$src")" CUDA_VISIBLE_DEVICES="$visible" \
+        taskset -c "$cores" "${launch[@]}" train.py "$config" \
+        --set training.seed="$seed" --set data.num_threads="$workers" "${extra[@]}" \
+        --set training.output_dir="results/convergence/$name"
+      printf '> %q 2>&1 < /dev/null\n' "$log"
+    } >> "$lane"
   done
+  # each lane detached, by its full path (`wait` looks for it), with nothing of this script's
+  # stdout held open: a caller's pipe must not wait for the runs
+  for lane in "$src"/lane_*.sh; do
+    setsid nohup bash "$lane" > /dev/null 2>&1 < /dev/null &
+  done
+}
+# whether a run of `converge` or `fork` is training, or is queued behind one that is
+runs_alive() {
+  pgrep -f "train.py configs/convergence" >/dev/null || pgrep -f "rnnt_converge_src.*/lane_" >/dev/null
 }
 
 case "$phase" in
@@ -411,7 +428,7 @@ PY
   wait)
     # until every run of `converge` has ended, or this call's time is nearly up
     deadline=$(( $(date +%s) + ${WAIT_S:-540} ))
-    while pgrep -f "train.py configs/convergence" >/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do
+    while runs_alive && [ "$(date +%s)" -lt "$deadline" ]; do
       sleep 10
     done
     for log in "$runs"/*.log; do
@@ -420,7 +437,7 @@ PY
       cp "$runs/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
       echo "== $name"; grep -v Warning "$log" | tail -n 4
     done
-    pgrep -fa "train.py configs/convergence" || echo "all runs ended" ;;
+    pgrep -fa "train.py configs/convergence|rnnt_converge_src.*/lane_" || echo "all runs ended" ;;
   stress)
     # RUNS_PER_GPU (default 3) short fast-path runs on every GPU at once, for STRESS_S seconds
     # (default 170) each, from the checkpoint START (default: the one `fork` copied, else from
