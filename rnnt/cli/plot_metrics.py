@@ -111,26 +111,44 @@ def band_lines(prefix: str, ref: Band, others: dict[str, list[tuple]]) -> list[s
     return lines
 
 
-def plot(
+def run_colors(names: list[str]) -> dict[str, tuple]:
+    """One color per run, the same in every panel. Up to 10 runs take tab10's colors; beyond,
+    tab20's ten dark shades come first and then its light ones, so runs 1 and 11 share a hue
+    but not a shade (a cycle of ten gave them one color)."""
+    if len(names) <= 10:
+        palette = list(plt.get_cmap("tab10").colors)
+    else:
+        tab20 = plt.get_cmap("tab20").colors
+        palette = list(tab20[0::2]) + list(tab20[1::2])
+    return {name: palette[i % len(palette)] for i, name in enumerate(names)}
+
+
+def figure(
     runs: dict[str, list[dict]],
-    out: Path,
     against: tuple[str, Band, dict[str, list[tuple]]] | None = None,
-) -> None:
+):
     """The loss and dev WER panels; with `against` ((prefix, *band(runs, prefix))), a third
-    with the other runs' dev WER relative to that group."""
-    fig, axes = plt.subplots(1, 3 if against else 2, figsize=(18 if against else 12, 4.5))
+    with the other runs' dev WER relative to that group. With several runs one legend below
+    the panels names each run once, so that no legend covers the curves."""
+    several = len(runs) > 1
+    # the shared legend's rows: the runs, the learning rate, the target and the band, 6 a row
+    legend_rows = -(-(len(runs) + 2 + bool(against)) // 6) if several else 0
+    fig, axes = plt.subplots(
+        1, 3 if against else 2, figsize=(18 if against else 12, 4.5 + 0.3 * legend_rows)
+    )
     ax_loss, ax_wer = axes[:2]
     ax_lr = ax_loss.twinx()
-    several = len(runs) > 1
+    colors = run_colors(list(runs))
     for name, records in runs.items():
         steps, losses = _numeric(_train(records), "step", "loss")
-        ax_loss.plot(steps, losses, label=f"{name} train loss" if several else "train loss")
+        ax_loss.plot(steps, losses, color=colors[name], label=name if several else "train loss")
         epochs, wers = _numeric(_evals(records), "epoch", "wer")
         ax_wer.plot(
             epochs,
             [100 * w for w in wers],
             marker="o",
-            label=f"{name} dev WER" if several else "dev WER",
+            color=colors[name],
+            label=name if several else "dev WER",
         )
     first = next(iter(runs.values()))
     lr_steps, lrs = _numeric(_train(first), "step", "lr")
@@ -143,28 +161,53 @@ def plot(
     ax_loss.set_xlabel("optimizer step")
     ax_loss.set_ylabel("loss (mean per-utterance NLL)")
     ax_loss.set_title("training")
-    lines = ax_loss.get_lines() + ax_lr.get_lines()
-    ax_loss.legend(lines, [line.get_label() for line in lines], loc="upper right")
     ax_wer.axhline(5.8, color="tab:red", linestyle=":", label="MLPerf target 5.8%")
     ax_wer.set_xlabel("epoch")
     ax_wer.set_ylabel("WER (%)")
     ax_wer.set_title("evaluation (EMA weights)")
-    ax_wer.legend(loc="upper right")
+    extras = ax_lr.get_lines() + ax_wer.get_lines()[-1:]
     if against:
         band_of, ref, others = against
         ax_band = axes[2]
-        label = f"{band_of} runs' range"
-        ax_band.fill_between(
-            ref.epochs, ref.low, ref.high, color="tab:gray", alpha=0.3, label=label
+        shade = ax_band.fill_between(
+            ref.epochs,
+            ref.low,
+            ref.high,
+            color="tab:gray",
+            alpha=0.3,
+            label=f"{band_of} runs' range",
         )
         ax_band.axhline(0.0, color="tab:gray", linewidth=0.8)
         for name, points in others.items():
-            ax_band.plot([e for e, _ in points], [r for _, r in points], marker="o", label=name)
+            ax_band.plot(
+                [e for e, _ in points], [r for _, r in points], marker="o", color=colors[name]
+            )
         ax_band.set_xlabel("epoch")
         ax_band.set_ylabel(f"dev WER relative to the {band_of} runs' mean (%)")
         ax_band.set_title(f"against the {band_of} runs")
-        ax_band.legend(loc="best", fontsize="small")
-    fig.tight_layout()
+        extras.append(shade)
+    if several:
+        handles = ax_loss.get_lines() + extras
+        fig.legend(handles, [h.get_label() for h in handles], loc="lower center", ncol=6)
+        height = fig.get_figheight()
+        fig.tight_layout(rect=(0, (0.3 * legend_rows + 0.15) / height, 1, 1))
+    else:
+        lines = ax_loss.get_lines() + ax_lr.get_lines()
+        ax_loss.legend(lines, [line.get_label() for line in lines], loc="upper right")
+        ax_wer.legend(loc="upper right")
+        if against:
+            axes[2].legend(loc="best", fontsize="small")
+        fig.tight_layout()
+    return fig
+
+
+def plot(
+    runs: dict[str, list[dict]],
+    out: Path,
+    against: tuple[str, Band, dict[str, list[tuple]]] | None = None,
+) -> None:
+    """`figure` drawn to the PNG `out`."""
+    fig = figure(runs, against)
     fig.savefig(out, dpi=100)
     plt.close(fig)
 

@@ -402,3 +402,36 @@ def test_the_band_places_each_run_against_a_reference_groups_range(tmp_path, rep
         result.stderr.strip()
         == "error: --band fast s1: needs at least two runs labelled fast s1..., got 1"
     )
+
+
+def test_every_run_keeps_one_color_in_every_panel_and_one_legend_names_it():
+    """Eleven runs: eleven colors (a cycle of ten gave the first and the eleventh one), each
+    run's loss, WER and band curves in its own, and one legend under the panels instead of
+    one over each panel's curves."""
+    import matplotlib.pyplot as plt
+
+    from rnnt.cli.plot_metrics import band, figure, run_colors
+
+    names = [f"plain s{i}" for i in range(1, 5)] + [f"fast s{i}" for i in range(1, 8)]
+    colors = run_colors(names)
+    assert len(set(colors.values())) == 11
+    assert list(run_colors(["a", "b"]).values()) == list(plt.get_cmap("tab10").colors[:2])
+
+    def records(offset: float) -> list[dict]:
+        train = [
+            {"kind": "train", "step": s, "epoch": 9, "loss": 50.0 + s, "lr": 1e-3} for s in (1, 2)
+        ]
+        return train + [{"kind": "eval", "epoch": e, "wer": 0.4 / e + offset} for e in (9, 10)]
+
+    runs = {name: records(0.001 * i) for i, name in enumerate(names)}
+    fig = figure(runs, ("plain", *band(runs, "plain")))
+    ax_loss, ax_wer, ax_band = fig.axes[:3]
+    assert [line.get_color() for line in ax_loss.get_lines()] == [colors[n] for n in names]
+    assert [line.get_color() for line in ax_wer.get_lines()[:11]] == [colors[n] for n in names]
+    band_lines = [line for line in ax_band.get_lines() if line.get_color() != "tab:gray"]
+    assert [line.get_color() for line in band_lines] == [colors[n] for n in names[4:]]
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    (legend,) = fig.legends
+    labels = [text.get_text() for text in legend.get_texts()]
+    assert labels == [*names, "learning rate", "MLPerf target 5.8%", "plain runs' range"]
+    plt.close(fig)
