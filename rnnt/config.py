@@ -310,6 +310,10 @@ class TrainingConfig(_Section):
     # always saved after the run ends
     save_every_epochs: int = 1
     checkpoint_every_steps: int = 0  # also save mid-epoch (0 = only at epoch ends)
+    # also score the dev set every N steps inside an epoch (0: at epoch ends only), to see
+    # the WER between epochs: these scores stay out of mlperf.log and never end the run, and
+    # their time counts in the run's (evaluation draws no random numbers: training is the same)
+    eval_every_steps: int = 0
     max_consecutive_nonfinite: int = 100
     # torch's intra-op threads per rank (0: the rank's share of its cores less data.num_threads)
     torch_threads: int = 0
@@ -338,6 +342,7 @@ class TrainingConfig(_Section):
         self.at_least(1, "profile_steps")
         self.at_least(1, "keep_last_checkpoints", "max_consecutive_nonfinite")
         self.at_least(0, "num_cg", "save_every_epochs", "checkpoint_every_steps")
+        self.at_least(0, "eval_every_steps")
         self.at_least(0, "torch_threads", "peak_tflops", "target_wer")
         for name in ("init_loss_scale", "collective_timeout_s"):
             value = getattr(self, name)

@@ -15,6 +15,7 @@ record of the run's implementation choices (rnnt.backends):
     wait: "data_wait_workers_share", "data_wait_queueing_share", "data_wait_stage_share")
     {"kind": "eval", "time": ..., "epoch": 2, "step": 542, "wer": 0.284, "utterances": 2703,
      "seconds": 1.9}
+    (and "kind": "mid_epoch_eval", with the same fields, for `training.eval_every_steps`)
 
 `utts_per_s` and `step_ms` cover the window since the previous log point, measured to the
 moment the device finished it (rnnt.throughput); `peak_memory_gib` and `mfu` are absent where
@@ -197,19 +198,23 @@ class RunLog:
         seconds: float,
         data_seconds: float = 0.0,
         alloc_retries: int | None = None,
+        mid_epoch: bool = False,
     ) -> None:
         """One dev evaluation: WER (a fraction) over `utterances`, taking `seconds`, of which
         `data_seconds` waiting for the loader (rank 0's), and the caching allocator's retries
-        during it (rnnt.throughput; None off CUDA)."""
+        during it (rnnt.throughput; None off CUDA). `mid_epoch`: one of
+        `training.eval_every_steps`, inside epoch `epoch`, recorded as "mid_epoch_eval" so
+        that readers of the epochs' "eval" records never see it."""
         if not self.is_main:
             return
+        where = f"epoch {epoch} step {step}" + (" (inside the epoch)" if mid_epoch else "")
         line = (
-            f"epoch {epoch} step {step} | dev WER {100 * wer:.3f}% | {utterances} utterances "
+            f"{where} | dev WER {100 * wer:.3f}% | {utterances} utterances "
             f"in {seconds:.2f} s (waiting for data {data_seconds:.2f} s)"
         )
         self._print(line + (f" | allocator retries {alloc_retries}" if alloc_retries else ""))
         self._record(
-            "eval",
+            "mid_epoch_eval" if mid_epoch else "eval",
             dict(
                 epoch=epoch,
                 step=step,

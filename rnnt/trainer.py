@@ -567,9 +567,40 @@ class Trainer:
             every = cfg.training.checkpoint_every_steps
             if every and self.progress.step % every == 0:
                 self.save(background=True)
+            every = cfg.training.eval_every_steps
+            at_epoch_end = self.progress.step % steps_per_epoch == 0  # evaluated there anyway
+            if every and self.progress.step % every == 0 and not at_epoch_end:
+                self._evaluate_mid_epoch(loss, lr)
         if self.window.steps:  # the epoch's last, shorter window
             self._queue_log_point(loss, lr)
         self._read_log_points()
+
+    def _evaluate_mid_epoch(self, loss: torch.Tensor, lr: float) -> None:
+        """Score the dev set at this step (`training.eval_every_steps`): the throughput
+        window closes before it and starts again after it, so no logged step holds its time."""
+        if self.window.steps:
+            self._queue_log_point(loss, lr)
+        self._read_log_points()
+        self._score_dev_set(mid_epoch=True)
+        self.window.start()
+
+    def _score_dev_set(self, mid_epoch: bool = False) -> EvalResult:
+        """`run_eval`, logged (an epoch's own evaluation, or one inside the epoch)."""
+        retries_before = self.window.alloc_retries()
+        result = self.run_eval()
+        self.log.eval(
+            epoch=self.progress.epoch,
+            step=self.progress.step,
+            wer=result.wer,
+            utterances=result.utterances,
+            seconds=result.seconds,
+            data_seconds=result.data_seconds,
+            alloc_retries=None
+            if retries_before is None
+            else self.window.alloc_retries() - retries_before,
+            mid_epoch=mid_epoch,
+        )
+        return result
 
     def _read_dev_set_ahead(self) -> None:
         """Start the dev set's first pass halfway through the first epoch: begun at the first
@@ -668,22 +699,10 @@ class Trainer:
                 self.train_epoch()
                 ml.epoch_stop(epoch)
                 ml.eval_start(epoch)
-                retries_before = self.window.alloc_retries()
-                result = self.run_eval()
+                result = self._score_dev_set()
                 ml.eval_accuracy(result.wer, epoch)
                 ml.eval_stop(epoch)
                 ml.block_stop(epoch)
-                self.log.eval(
-                    epoch=epoch,
-                    step=self.progress.step,
-                    wer=result.wer,
-                    utterances=result.utterances,
-                    seconds=result.seconds,
-                    data_seconds=result.data_seconds,
-                    alloc_retries=None
-                    if retries_before is None
-                    else self.window.alloc_retries() - retries_before,
-                )
                 self.progress.best_wer = min(self.progress.best_wer, result.wer)
                 target = cfg.training.target_wer
                 reached = target > 0 and result.wer <= target

@@ -12,7 +12,9 @@ time and data wait over its logged windows, last WER). `--band PREFIX` makes the
 labels start with PREFIX a reference group: a third panel draws every other run's dev WER
 relative to the group's mean, epoch by epoch, over the group's range, and the call prints how
 many runs lie inside, above and below that range at each epoch. Runs that differ by chance
-alone sit a point or less apart on the full scale, where no difference can be read.
+alone sit a point or less apart on the full scale, where no difference can be read. A run's
+scores inside epochs (`training.eval_every_steps`) join its dev WER curve at fractional epochs;
+the table and the band use the epochs' own.
 """
 
 from __future__ import annotations
@@ -51,6 +53,23 @@ def _evals(records: list[dict]) -> list[dict]:
 
 def _wers(records: list[dict]) -> dict[int, float]:
     return {r["epoch"]: r["wer"] for r in _evals(records) if _is_number(r.get("wer"))}
+
+
+def mid_epoch_points(records: list[dict]) -> list[tuple[float, float]]:
+    """(epoch, WER) of the run's `mid_epoch_eval` records (`training.eval_every_steps`), the
+    epoch fractional: an epoch's own evaluation sits at its number, so a score after a third
+    of epoch 10's steps at 9.33. The steps an epoch takes come from two epochs' evaluations;
+    with fewer there is no scale, and no points."""
+    ends = sorted((r["step"], r["epoch"]) for r in _evals(records) if _is_number(r.get("step")))
+    if len(ends) < 2:
+        return []
+    (step0, epoch0), (step1, epoch1) = ends[-2], ends[-1]
+    per_epoch = (step1 - step0) / (epoch1 - epoch0)
+    return [
+        (epoch1 + (r["step"] - step1) / per_epoch, r["wer"])
+        for r in records
+        if r["kind"] == "mid_epoch_eval" and _is_number(r.get("wer"))
+    ]
 
 
 class Band(NamedTuple):
@@ -143,13 +162,24 @@ def figure(
         steps, losses = _numeric(_train(records), "step", "loss")
         ax_loss.plot(steps, losses, color=colors[name], label=name if several else "train loss")
         epochs, wers = _numeric(_evals(records), "epoch", "wer")
+        inside = mid_epoch_points(records)
         ax_wer.plot(
             epochs,
             [100 * w for w in wers],
             marker="o",
+            linestyle="none" if inside else "-",  # the line runs through the scores inside
             color=colors[name],
             label=name if several else "dev WER",
         )
+        if inside:
+            points = sorted([*zip(epochs, wers), *inside])
+            ax_wer.plot(
+                [x for x, _ in points],
+                [100 * w for _, w in points],
+                marker=".",
+                linewidth=0.8,
+                color=colors[name],
+            )
     first = next(iter(runs.values()))
     lr_steps, lrs = _numeric(_train(first), "step", "lr")
     ax_lr.plot(lr_steps, lrs, color="tab:gray", linestyle="--", label="learning rate")

@@ -583,3 +583,40 @@ def test_an_evaluation_leaves_trainings_random_streams_where_they_were(
     assert torch.equal(trainer.augment_generator.get_state(), augment)
     if device == "cuda":
         assert torch.equal(torch.cuda.get_rng_state(), cuda)
+
+
+def test_evaluations_inside_epochs_score_between_steps_and_change_nothing_else(
+    corpus, tmp_path, capsys
+):
+    """training.eval_every_steps=2 scores the dev set after steps 2 and 4 of the 6-step epoch
+    (step 6 is the epoch's own evaluation): separate records, no MLPerf eval events, and the
+    same losses, epoch WER and weights as a run without them."""
+    from rnnt.mlperf import MLPerfLogger
+
+    mlperf_log = tmp_path / "probed_mlperf.log"
+    probed = Trainer(
+        make_cfg(corpus, tmp_path / "probed", "training.eval_every_steps=2"),
+        CPU,
+        mlperf=MLPerfLogger(str(mlperf_log), CPU.rank),
+    )
+    probed.fit()
+    printed = capsys.readouterr().out
+    plain = Trainer(make_cfg(corpus, tmp_path / "plain"), CPU)
+    plain.fit()
+    records = {
+        name: read_metrics(tmp_path / name / "metrics.jsonl") for name in ("probed", "plain")
+    }
+    mid = [r for r in records["probed"] if r["kind"] == "mid_epoch_eval"]
+    assert [(r["epoch"], r["step"]) for r in mid] == [(1, 2), (1, 4), (2, 8), (2, 10)]
+    assert all(0 <= r["wer"] and r["utterances"] == 12 for r in mid)
+    assert "epoch 1 step 2 (inside the epoch) | dev WER" in printed
+    for kind in ("train", "eval"):
+        ours, theirs = ([r for r in records[n] if r["kind"] == kind] for n in ("probed", "plain"))
+        for key in ("step", "loss", "wer"):
+            assert [r.get(key) for r in ours] == [r.get(key) for r in theirs], (kind, key)
+    evals = [
+        line for line in mlperf_log.read_text().splitlines() if '"key": "eval_accuracy"' in line
+    ]
+    assert len(evals) == 2  # the epochs' own
+    for (key, a), b in zip(probed.model.state_dict().items(), plain.model.state_dict().values()):
+        assert torch.equal(a, b), key

@@ -435,3 +435,19 @@ def test_every_run_keeps_one_color_in_every_panel_and_one_legend_names_it():
     labels = [text.get_text() for text in legend.get_texts()]
     assert labels == [*names, "learning rate", "MLPerf target 5.8%", "plain runs' range"]
     plt.close(fig)
+
+
+def test_scores_inside_epochs_sit_at_fractional_epochs():
+    """Epochs of 10 steps, evaluated at steps 90 and 100 (epochs 9 and 10): a score at step 93
+    is epoch 9.3; without two epochs' evaluations there is no scale."""
+    from rnnt.cli.plot_metrics import epoch_table, mid_epoch_points
+
+    records = [
+        {"kind": "eval", "epoch": 9, "step": 90, "wer": 0.8},
+        {"kind": "mid_epoch_eval", "epoch": 10, "step": 93, "wer": 0.7},
+        {"kind": "mid_epoch_eval", "epoch": 10, "step": 96, "wer": 0.6},
+        {"kind": "eval", "epoch": 10, "step": 100, "wer": 0.5},
+    ]
+    assert mid_epoch_points(records) == [(pytest.approx(9.3), 0.7), (pytest.approx(9.6), 0.6)]
+    assert mid_epoch_points(records[:3]) == []
+    assert "| 10 |  | 50.00 |" in epoch_table({"run": records}).splitlines()
