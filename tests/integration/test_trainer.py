@@ -285,10 +285,14 @@ def test_fp16_overflow_skips_and_scales_as_gradscaler_says(corpus, tmp_path):
 
 
 def test_two_processes_under_torchrun_share_one_log_and_one_eval(corpus, tmp_path, repo_root):
+    """Both ranks score the dev set together, at the epoch's end and inside it
+    (`training.eval_every_steps`), and rank 0 alone logs it."""
     import subprocess
 
     out = tmp_path / "ddp"
-    sets = tiny_overrides(corpus, out, "training.batch_size=4", "eval.batch_size=4")
+    sets = tiny_overrides(
+        corpus, out, "training.batch_size=4", "eval.batch_size=4", "training.eval_every_steps=4"
+    )
     cmd = train_command(2, *as_set_args(sets))
     proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
     assert "target NOT reached" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -299,6 +303,9 @@ def test_two_processes_under_torchrun_share_one_log_and_one_eval(corpus, tmp_pat
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
     evals = [r for r in records if r["kind"] == "eval"]
     assert len(evals) == 1 and evals[0]["utterances"] == 12  # both ranks' shards, summed
+    inside = [r for r in records if r["kind"] == "mid_epoch_eval"]
+    assert [(r["step"], r["utterances"]) for r in inside] == [(4, 12)]
+    assert mlperf.count('"key": "eval_accuracy"') == 1
 
 
 @pytest.mark.gpu
