@@ -14,12 +14,16 @@ relative to the group's mean, epoch by epoch, over the group's range, and the ca
 many runs lie inside, above and below that range at each epoch. Runs that differ by chance
 alone sit a point or less apart on the full scale, where no difference can be read. A run's
 scores inside epochs (`training.eval_every_steps`) join its dev WER curve at fractional epochs;
-the table and the band use the epochs' own.
+the table and the band use the epochs' own. `--paired PREFIX` pairs runs labelled "GROUP sN"
+with "PREFIX sN" (the same seed, so the same batches) and prints, per epoch, how many steps
+each group trails the PREFIX runs in training loss.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -231,6 +235,68 @@ def figure(
     return fig
 
 
+def paired_lag(runs: dict[str, list[dict]], prefix: str) -> list[str]:
+    """`--paired PREFIX`: how many steps each group of runs trails the reference runs in
+    training loss, epoch by epoch.
+
+    Labels "GROUP sN" pair runs by seed N: runs of one seed see the same batches, so the log
+    ratio of two runs' losses at the steps both logged holds no batch-to-batch noise. Per
+    epoch and group: the mean over seeds of each pair's mean log ratio (GROUP against
+    "PREFIX sN"), its standard error over the seeds, and both divided by how fast the
+    reference runs' log loss falls per step in that epoch, which turns a loss ratio into
+    steps behind (negative: ahead). Epochs where the loss does not fall have no such scale.
+    """
+
+    def seeded(label: str) -> tuple[str, str] | None:
+        found = re.fullmatch(r"(.+) s(\d+)", label)
+        return (found.group(1), found.group(2)) if found else None
+
+    def losses(records: list[dict]) -> dict[int, tuple[int, float]]:
+        return {
+            r["step"]: (r["epoch"], r["loss"])
+            for r in _train(records)
+            if _is_number(r.get("loss")) and r["loss"] > 0 and _is_number(r.get("step"))
+        }
+
+    refs, groups = {}, {}
+    for label, records in runs.items():
+        if (parts := seeded(label)) is None:
+            continue
+        group, seed = parts
+        target = refs if group == prefix else groups.setdefault(group, {})
+        target[seed] = losses(records)
+    if len(refs) < 2:
+        raise ValueError(f"--paired {prefix}: needs runs labelled '{prefix} sN' for 2+ seeds")
+    lines = []
+    for group, by_seed in groups.items():
+        epochs = sorted({e for seed in by_seed for e, _ in by_seed[seed].values()})
+        for epoch in epochs:
+            ratios = []
+            for seed, ours in by_seed.items():
+                ref = refs.get(seed)
+                steps = [k for k in ours if ours[k][0] == epoch and ref and k in ref]
+                if steps:
+                    ratios.append(statistics.fmean(math.log(ours[k][1] / ref[k][1]) for k in steps))
+            slopes = []
+            for ref in refs.values():
+                steps = sorted(k for k, (e, _) in ref.items() if e == epoch)
+                if len(steps) >= 2:
+                    rise = math.log(ref[steps[-1]][1] / ref[steps[0]][1])
+                    slopes.append(rise / (steps[-1] - steps[0]))
+            if len(ratios) < 2 or not slopes:
+                continue
+            mean, error = statistics.fmean(ratios), statistics.stdev(ratios) / len(ratios) ** 0.5
+            slope = statistics.fmean(slopes)
+            line = (
+                f"{group} against {prefix}, epoch {epoch}: training loss {100 * mean:+.2f}% "
+                f"(+-{100 * error:.2f}%, {len(ratios)} seeds)"
+            )
+            if slope < 0:
+                line += f", {mean / -slope:+.1f} +- {error / -slope:.1f} steps behind"
+            lines.append(line)
+    return lines
+
+
 def plot(
     runs: dict[str, list[dict]],
     out: Path,
@@ -329,6 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the runs labelled PREFIX... as a reference group: the others' dev WER against it",
     )
+    parser.add_argument(
+        "--paired",
+        metavar="PREFIX",
+        default=None,
+        help="runs labelled 'GROUP sN' against 'PREFIX sN' of the same seed: steps behind in loss",
+    )
     args = parser.parse_args(argv)
     labels = args.labels or [p.parent.name or str(p) for p in args.metrics]
     if len(labels) != len(args.metrics) or len(set(labels)) != len(labels):
@@ -359,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         print("\n".join(band_lines(*against)))
+    if args.paired is not None:
+        try:
+            print("\n".join(paired_lag(runs, args.paired)))
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     if not args.summary_only:
         out = args.out or args.metrics[0].with_suffix(".png")
         plot(runs, out, against)

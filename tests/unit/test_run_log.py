@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -451,3 +452,38 @@ def test_scores_inside_epochs_sit_at_fractional_epochs():
     assert mid_epoch_points(records) == [(pytest.approx(9.3), 0.7), (pytest.approx(9.6), 0.6)]
     assert mid_epoch_points(records[:3]) == []
     assert "| 10 |  | 50.00 |" in epoch_table({"run": records}).splitlines()
+
+
+def test_paired_runs_give_the_steps_a_group_trails_by_in_training_loss():
+    """Reference losses fall as exp(-0.01 step); a group's seed 1 runs 1 step behind its
+    reference and seed 2 3 steps behind: 2 +- 1 steps, from the log ratios 0.01 and 0.03.
+    Runs without a seed in their label, and seeds without a reference, are left out."""
+    from rnnt.cli.plot_metrics import paired_lag
+
+    def run(lag: float, steps=range(1, 21)) -> list[dict]:
+        return [
+            {
+                "kind": "train",
+                "step": k,
+                "epoch": 1 + (k - 1) // 10,
+                "loss": 100 * math.exp(-0.01 * (k - lag)),
+            }
+            for k in steps
+        ]
+
+    runs = {
+        "plain s1": run(0),
+        "plain s2": run(0),
+        "fast s1": run(1),
+        "fast s2": run(3),
+        "fast s7": run(50),  # no plain s7
+        "other": run(50),
+    }
+    lines = paired_lag(runs, "plain")
+    assert lines == [
+        f"fast against plain, epoch {e}: training loss +2.00% (+-1.00%, 2 seeds), "
+        "+2.0 +- 1.0 steps behind"
+        for e in (1, 2)
+    ]
+    with pytest.raises(ValueError, match="labelled 'cudnn sN' for 2\\+ seeds"):
+        paired_lag(runs, "cudnn")
