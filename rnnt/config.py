@@ -341,8 +341,9 @@ class TrainingConfig(_Section):
         self.at_least(0, "profile_from_step")
         self.at_least(1, "profile_steps")
         self.at_least(1, "keep_last_checkpoints", "max_consecutive_nonfinite")
-        self.at_least(0, "num_cg", "save_every_epochs", "checkpoint_every_steps")
-        self.at_least(0, "eval_every_steps")
+        self.at_least(
+            0, "num_cg", "save_every_epochs", "checkpoint_every_steps", "eval_every_steps"
+        )
         self.at_least(0, "torch_threads", "peak_tflops", "target_wer")
         for name in ("init_loss_scale", "collective_timeout_s"):
             value = getattr(self, name)

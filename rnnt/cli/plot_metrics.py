@@ -33,6 +33,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on training machines
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from rnnt.run_log import read_metrics
 
@@ -149,7 +150,7 @@ def run_colors(names: list[str]) -> dict[str, tuple]:
 def figure(
     runs: dict[str, list[dict]],
     against: tuple[str, Band, dict[str, list[tuple]]] | None = None,
-):
+) -> Figure:
     """The loss and dev WER panels; with `against` ((prefix, *band(runs, prefix))), a third
     with the other runs' dev WER relative to that group. With several runs one legend below
     the panels names each run once, so that no legend covers the curves."""
