@@ -134,9 +134,10 @@ runs=results/convergence
 # a multi-GPU run to the target. WORKERS: loader processes per run (default: the share of
 # cores less two, at most 14). SETS: more `key=value` overrides for every run. SRC: another
 # source tree to run (as for `stress`): a run that must repeat an earlier one bit for bit.
-# Runs given the same GPU run one after another, in the order named: two plain runs at batch
-# 192 need more than an H200's memory, and processes sharing a GPU have died of an illegal
-# memory access (docs/CONVERGENCE.md). SHARE_GPUS=1 starts them all at once instead.
+# Runs given the same GPU run one after another, in the order named, and after the runs of
+# earlier calls on it (a lock per GPU): two plain runs at batch 192 need more than an H200's
+# memory, and processes sharing a GPU have died of an illegal memory access
+# (docs/CONVERGENCE.md). SHARE_GPUS=1 starts them all at once instead.
 start_runs() {
   local from=$1 prefix=$2  # with a checkpoint: $fork_to, the epoch to train to
   shift 2
@@ -150,7 +151,7 @@ start_runs() {
   workers=$(( share - 2 ))
   [ "$workers" -gt 14 ] && workers=14
   workers=${WORKERS:-$workers} fast_gpus=${FAST_GPUS:-1}
-  local i=0 name path seed config extra gpu n launch visible cores log lane
+  local i=0 name path seed config extra gpu n launch visible cores log lane locks g
   for name in "$@"; do
     path=${name%_s*} seed=${name##*_s}
     config=configs/convergence/sentences.yaml extra=()
@@ -177,9 +178,13 @@ start_runs() {
     [ -n "${SHARE_GPUS:-}" ] && lane=$src/lane_run$i.sh
     [ -f "$lane" ] && echo "$name: GPUs $visible, after the runs before it on them"
     [ -f "$lane" ] || echo "$name: GPUs $visible, cores $cores, $workers workers ${extra[*]}"
+    locks=()  # each of its GPUs', in ascending order, so that no two runs wait on each other
+    if [ -z "${SHARE_GPUS:-}" ]; then
+      for g in $(seq "$gpu" $(( gpu + n - 1 ))); do locks+=(flock "/tmp/rnnt_gpu$g.lock"); done
+    fi
     {
       printf 'cd %q || exit\n' "$src"
-      printf '%q ' env PYTHONPATH="$(tree_path "$src")" CUDA_VISIBLE_DEVICES="$visible" \
+      printf '%q ' "${locks[@]}" env PYTHONPATH="$(tree_path "$src")" CUDA_VISIBLE_DEVICES="$visible" \
         taskset -c "$cores" "${launch[@]}" train.py "$config" \
         --set training.seed="$seed" --set data.num_threads="$workers" "${extra[@]}" \
         --set training.output_dir="results/convergence/$name"

@@ -1,6 +1,6 @@
 """bench/gpu_session.sh's detached training runs (`converge`, `wait`): runs given one GPU run
-one after another, runs on different GPUs side by side, and `wait` returns only once the
-queued runs have ended too.
+one after another, also across calls, runs on different GPUs side by side, and `wait` returns
+only once the queued runs have ended too.
 
 The script runs from a copy of this checkout's harness with a stand-in `nvidia-smi` (the GPU
 count and memory are all it reads here) and a source tree (`SRC`) whose train.py records
@@ -115,3 +115,15 @@ def test_runs_on_two_gpus_run_side_by_side_and_share_gpus_starts_all(harness):
     spans = _spans(root)
     assert spans["fast_s1"][2] == spans["plain_s1"][2] == "0"
     assert spans["plain_s1"][0] < spans["fast_s1"][1]
+
+
+@needs_two_cores
+def test_a_later_call_waits_for_the_runs_of_an_earlier_one_on_its_gpu(harness):
+    """Two `converge` calls on one GPU (as `converge` and then `fork` are): the second call's
+    run starts only once the first call's has ended, each run holding its GPU's lock."""
+    root = harness[0]
+    _session(harness, "converge", 1, RUNS="fast", SEEDS="1", RUN_S="2")
+    _session(harness, "converge", 1, RUNS="plain", SEEDS="1", RUN_S="1")
+    assert "all runs ended" in _session(harness, "wait", 1)
+    spans = _spans(root)
+    assert spans["fast_s1"][1] <= spans["plain_s1"][0], spans
