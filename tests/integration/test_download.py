@@ -226,21 +226,28 @@ def test_a_cut_is_resumed_within_one_run_through_the_shell_script(served, tmp_pa
     assert (dest / "LibriSpeech" / "test-clean").is_dir()
 
 
-def test_archive_with_members_outside_librispeech_is_refused(tmp_path):
-    evil = io.BytesIO()
-    with tarfile.open(fileobj=evil, mode="w:gz") as tar:
-        for name in ["LibriSpeech/dev-clean/1/2/a.txt", "LibriSpeech/../../escape.txt"]:
-            info = tarfile.TarInfo(name)
-            info.size = 1
-            tar.addfile(info, io.BytesIO(b"x"))
-    server = _Server({"dev-clean.tar.gz": evil.getvalue()})
+def _assert_refused(tmp_path: Path, members: list[tarfile.TarInfo]) -> None:
+    """dev-clean served as an archive of `members` (files get one byte): the run fails and
+    extracts nothing."""
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w:gz") as tar:
+        for info in members:
+            if info.isfile():
+                info.size = 1
+            tar.addfile(info, io.BytesIO(b"x") if info.isfile() else None)
+    server = _Server({"dev-clean.tar.gz": archive.getvalue()})
     try:
-        dest = tmp_path / "d"
-        md5 = _md5_file(tmp_path, {"dev-clean.tar.gz": evil.getvalue()})
+        dest = tmp_path / "refused"
+        md5 = _md5_file(tmp_path, {"dev-clean.tar.gz": archive.getvalue()})
         assert main(_args(server, dest, md5, "--parts", "dev-clean")) == 1
     finally:
         server.close()
     assert not (dest / "LibriSpeech" / "dev-clean").exists()
+
+
+def test_archive_with_members_outside_librispeech_is_refused(tmp_path):
+    names = ["LibriSpeech/dev-clean/1/2/a.txt", "LibriSpeech/../../escape.txt"]
+    _assert_refused(tmp_path, [tarfile.TarInfo(name) for name in names])
     assert not list(tmp_path.rglob("escape.txt"))
 
 
@@ -257,4 +264,23 @@ def test_md5_table_file_errors_name_the_line(tmp_path):
         "dev-other",
         "test-clean",
         "test-other",
+    }
+
+
+def test_links_are_refused_and_a_python_without_tar_filters_still_extracts(
+    served, tmp_path, monkeypatch
+):
+    """Debian 12's Python 3.11.2 has no tarfile data filter: the member checks alone guard the
+    extraction there. A symlink in the archive is refused either way."""
+    link = tarfile.TarInfo("LibriSpeech/dev-clean/link")
+    link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    _assert_refused(tmp_path, [link])
+
+    server, archives, contents = served
+    monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    dest = tmp_path / "old_python"
+    md5 = _md5_file(tmp_path, archives)
+    assert main(_args(server, dest, md5, "--parts", "dev-clean")) == 0
+    assert _tree(dest / "LibriSpeech") == {
+        k.removeprefix("LibriSpeech/"): v for k, v in contents["dev-clean"].items()
     }
