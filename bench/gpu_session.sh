@@ -178,9 +178,11 @@ start_runs() {
     [ -n "${SHARE_GPUS:-}" ] && lane=$src/lane_run$i.sh
     [ -f "$lane" ] && echo "$name: GPUs $visible, after the runs before it on them"
     [ -f "$lane" ] || echo "$name: GPUs $visible, cores $cores, $workers workers ${extra[*]}"
-    locks=()  # each of its GPUs', in ascending order, so that no two runs wait on each other
+    # each of its GPUs' locks, in ascending order so that no two runs wait on each other, held
+    # by flock itself (-o): a worker process left behind by a crash must not keep the GPU
+    locks=()
     if [ -z "${SHARE_GPUS:-}" ]; then
-      for g in $(seq "$gpu" $(( gpu + n - 1 ))); do locks+=(flock "/tmp/rnnt_gpu$g.lock"); done
+      for g in $(seq "$gpu" $(( gpu + n - 1 ))); do locks+=(flock -o "/tmp/rnnt_gpu$g.lock"); done
     fi
     {
       printf 'cd %q || exit\n' "$src"
