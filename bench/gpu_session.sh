@@ -45,6 +45,9 @@
 #   bash bench/gpu_session.sh evalparity  # eval.py in every decoder mode; compliance checker
 #   bash bench/gpu_session.sh rescore     # each run's checkpoint scored with nn.LSTM and the wave
 #                                         # kernels' forward (eval.encoder_lstm)
+#   bash bench/gpu_session.sh lossreading # bench/loss_reading.py: the reference and the fused
+#                                         # loss on the same batches and weights (START, default:
+#                                         # the checkpoint `fork` copied; BATCHES, default 20)
 #   bash bench/gpu_session.sh stress      # several short runs on every GPU at once: races
 #   bash bench/gpu_session.sh bundle      # $OUT's files in one $OUT/results.tar.gz (the device
 #                                         # tool brings back at most 8 files a call)
@@ -64,7 +67,7 @@ if [ -n "${ON_GPU:-}" ]; then
   exec env ON_GPU= CUDA_VISIBLE_DEVICES="$ON_GPU" taskset -c "$first-$(( first + share - 1 ))" \
     bash "$0" "$@"
 fi
-phase=${1:?phase: setup | tests | loss | step | lstm | features | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | realstep_ab | converge | fork | wait | evalparity | rescore | stress | bundle}
+phase=${1:?phase: setup | tests | loss | step | lstm | features | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | realstep_ab | converge | fork | wait | evalparity | rescore | lossreading | stress | bundle}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
 # the spoken-digits corpus the distributed tests train on (this machine has no espeak-ng):
@@ -546,6 +549,13 @@ PY
         done
       done
     done | tee "$OUT/rescore.log" ;;
+  lossreading)
+    start=${START:-$(find "$runs" -maxdepth 1 -name 'start_ckpt_*' 2>/dev/null | sort | head -n 1)}
+    from=()
+    [ -n "$start" ] && from=(--init-from "$start")
+    python3 bench/loss_reading.py configs/convergence/sentences.yaml "${from[@]}" \
+      --batches "${BATCHES:-20}" --json "$OUT/loss_reading.json" 2>&1 | grep -v Warning \
+      | tee "$OUT/loss_reading.log" ;;
   evalparity)
     # the fast run's final checkpoint scored by eval.py in every decoder mode, then with the
     # wave encoder
