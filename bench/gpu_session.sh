@@ -187,8 +187,8 @@ start_runs() {
     if [ -z "${SHARE_GPUS:-}" ]; then
       for g in $(seq "$gpu" $(( gpu + n - 1 ))); do locks+=(flock -o "/tmp/rnnt_gpu$g.lock"); done
     fi
+    [ -f "$lane" ] || printf 'cd %q || exit\n' "$src" > "$lane"
     {
-      printf 'cd %q || exit\n' "$src"
       printf '%q ' "${locks[@]}" env PYTHONPATH="$(tree_path "$src")" CUDA_VISIBLE_DEVICES="$visible" \
         taskset -c "$cores" "${launch[@]}" train.py "$config" \
         --set training.seed="$seed" --set data.num_threads="$workers" "${extra[@]}" \
