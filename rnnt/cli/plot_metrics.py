@@ -13,10 +13,11 @@ labels start with PREFIX a reference group: a third panel draws every other run'
 relative to the group's mean, epoch by epoch, over the group's range, and the call prints how
 many runs lie inside, above and below that range at each epoch. Runs that differ by chance
 alone sit a point or less apart on the full scale, where no difference can be read. A run's
-scores inside epochs (`training.eval_every_steps`) join its dev WER curve at fractional epochs;
-the table and the band use the epochs' own. `--paired PREFIX` pairs runs labelled "GROUP sN"
-with "PREFIX sN" (the same seed, so the same batches) and prints, per epoch, how many steps
-each group trails the PREFIX runs in training loss.
+scores inside epochs (`training.eval_every_steps`) join its dev WER curve and the band at
+fractional epochs; the table uses the epochs' own. `--paired PREFIX` pairs runs labelled "GROUP sN"
+with "PREFIX sN" (the same seed, so the same batches) and prints how many steps each group
+trails the PREFIX runs: per epoch in training loss, and at each step where all were scored in
+dev WER.
 """
 
 from __future__ import annotations
@@ -78,20 +79,35 @@ def mid_epoch_points(records: list[dict]) -> list[tuple[float, float]]:
 
 
 class Band(NamedTuple):
-    """The reference group of `--band`: the epochs every one of its runs was evaluated after,
-    and there its mean dev WER and the lowest and highest relative to that mean (%)."""
+    """The reference group of `--band`: the epochs (fractional inside epochs) at which every
+    one of its runs was scored, and there its mean dev WER and the lowest and highest
+    relative to that mean (%)."""
 
-    epochs: list[int]
+    epochs: list[float]
     mean: list[float]
     low: list[float]
     high: list[float]
 
 
+def _scores(records: list[dict]) -> dict[float, float]:
+    """epoch -> dev WER of every score of the run: the epochs' own at their numbers (int), the
+    ones inside epochs at fractional epochs (`mid_epoch_points`, rounded so that runs scored
+    at the same steps share them)."""
+    points: dict[float, float] = dict(_wers(records))
+    points.update((round(x, 6), wer) for x, wer in mid_epoch_points(records))
+    return points
+
+
+def _epoch_name(epoch: float) -> str:
+    return str(epoch) if isinstance(epoch, int) else f"{epoch:.2f}"
+
+
 def band(runs: dict[str, list[dict]], prefix: str) -> tuple[Band, dict[str, list[tuple]]]:
     """The group of runs labelled PREFIX..., and each other run's (epoch, dev WER relative to
-    the group's mean in %) at the group's epochs. ValueError if fewer than two runs match or
-    they share no evaluated epoch (with a WER above 0)."""
-    group = {name: _wers(r) for name, r in runs.items() if name.startswith(prefix)}
+    the group's mean in %) at the group's scores: its epochs, and the fractional epochs of
+    scores inside them where every run of the group has one there. ValueError if fewer than
+    two runs match or they share no score (with a WER above 0)."""
+    group = {name: _scores(r) for name, r in runs.items() if name.startswith(prefix)}
     if len(group) < 2:
         raise ValueError(
             f"--band {prefix}: needs at least two runs labelled {prefix}..., got {len(group)}"
@@ -112,7 +128,7 @@ def band(runs: dict[str, list[dict]], prefix: str) -> tuple[Band, dict[str, list
     for name, records in runs.items():
         if name in group:
             continue
-        wers = _wers(records)
+        wers = _scores(records)
         others[name] = [
             (e, relative(wers[e], m)) for e, m in zip(epochs, mean, strict=True) if e in wers
         ]
@@ -128,7 +144,8 @@ def band_lines(prefix: str, ref: Band, others: dict[str, list[tuple]]) -> list[s
         above = sum(r > ref.high[i] for r in rel)
         below = sum(r < ref.low[i] for r in rel)
         lines.append(
-            f"epoch {e}: {prefix} mean {100 * ref.mean[i]:.2f}% (range {ref.low[i]:+.1f}% to "
+            f"epoch {_epoch_name(e)}: {prefix} mean {100 * ref.mean[i]:.2f}% (range "
+            f"{ref.low[i]:+.1f}% to "
             f"{ref.high[i]:+.1f}%); others {len(rel) - above - below} of {len(rel)} inside, "
             f"{above} above, {below} below"
         )
@@ -236,9 +253,34 @@ def figure(
     return fig
 
 
+def _seeded(label: str) -> tuple[str, str] | None:
+    """("GROUP", "N") of a label "GROUP sN", else None."""
+    found = re.fullmatch(r"(.+) s(\d+)", label)
+    return (found.group(1), found.group(2)) if found else None
+
+
+def _pair_by_seed(runs: dict[str, list[dict]], prefix: str, series) -> tuple[dict, dict]:
+    """{seed: series(records)} of the "PREFIX sN" runs, and {group: {seed: ...}} of the other
+    seeded runs; at least two reference seeds, or ValueError."""
+    refs, groups = {}, {}
+    for label, records in runs.items():
+        if (parts := _seeded(label)) is None:
+            continue
+        group, seed = parts
+        target = refs if group == prefix else groups.setdefault(group, {})
+        target[seed] = series(records)
+    if len(refs) < 2:
+        raise ValueError(f"--paired {prefix}: needs runs labelled '{prefix} sN' for 2+ seeds")
+    return refs, groups
+
+
+def _mean_and_error(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) / len(values) ** 0.5
+
+
 def paired_lag(runs: dict[str, list[dict]], prefix: str) -> list[str]:
     """`--paired PREFIX`: how many steps each group of runs trails the reference runs in
-    training loss, epoch by epoch.
+    training loss, epoch by epoch, then in dev WER at each step where they were scored.
 
     Labels "GROUP sN" pair runs by seed N: runs of one seed see the same batches, so the log
     ratio of two runs' losses at the steps both logged holds no batch-to-batch noise. Per
@@ -246,11 +288,8 @@ def paired_lag(runs: dict[str, list[dict]], prefix: str) -> list[str]:
     "PREFIX sN"), its standard error over the seeds, and both divided by how fast the
     reference runs' log loss falls per step in that epoch, which turns a loss ratio into
     steps behind (negative: ahead). Epochs where the loss does not fall have no such scale.
+    The dev WER lines (`paired_wer_lag`) do the same with the scores.
     """
-
-    def seeded(label: str) -> tuple[str, str] | None:
-        found = re.fullmatch(r"(.+) s(\d+)", label)
-        return (found.group(1), found.group(2)) if found else None
 
     def losses(records: list[dict]) -> dict[int, tuple[int, float]]:
         return {
@@ -259,15 +298,7 @@ def paired_lag(runs: dict[str, list[dict]], prefix: str) -> list[str]:
             if _is_number(r.get("loss")) and r["loss"] > 0 and _is_number(r.get("step"))
         }
 
-    refs, groups = {}, {}
-    for label, records in runs.items():
-        if (parts := seeded(label)) is None:
-            continue
-        group, seed = parts
-        target = refs if group == prefix else groups.setdefault(group, {})
-        target[seed] = losses(records)
-    if len(refs) < 2:
-        raise ValueError(f"--paired {prefix}: needs runs labelled '{prefix} sN' for 2+ seeds")
+    refs, groups = _pair_by_seed(runs, prefix, losses)
     lines = []
     for group, by_seed in groups.items():
         epochs = sorted({e for seed in by_seed for e, _ in by_seed[seed].values()})
@@ -286,11 +317,59 @@ def paired_lag(runs: dict[str, list[dict]], prefix: str) -> list[str]:
                     slopes.append(rise / (steps[-1] - steps[0]))
             if len(ratios) < 2 or not slopes:
                 continue
-            mean, error = statistics.fmean(ratios), statistics.stdev(ratios) / len(ratios) ** 0.5
+            mean, error = _mean_and_error(ratios)
             slope = statistics.fmean(slopes)
             line = (
                 f"{group} against {prefix}, epoch {epoch}: training loss {100 * mean:+.2f}% "
                 f"(+-{100 * error:.2f}%, {len(ratios)} seeds)"
+            )
+            if slope < 0:
+                line += f", {mean / -slope:+.1f} +- {error / -slope:.1f} steps behind"
+            lines.append(line)
+    return lines + paired_wer_lag(runs, prefix)
+
+
+def paired_wer_lag(runs: dict[str, list[dict]], prefix: str) -> list[str]:
+    """The dev WER half of `--paired PREFIX`: at each step where every reference run was
+    scored (an epoch's evaluation, or one inside it with `training.eval_every_steps`), each
+    group's mean difference in WER to the same seed's reference run, in points, its standard
+    error over the seeds, and both divided by how fast the reference runs' mean WER falls per
+    step there (from the scores before and after, one side at the ends) into steps behind.
+    The dev set and the weights' state are all there is to a score, so a group that learns as
+    the reference does but some steps later sits that many steps behind at every score; one
+    that learns something else shows a gap that does not follow the slope."""
+
+    def scores(records: list[dict]) -> dict[int, tuple[int, float]]:
+        return {
+            r["step"]: (r["epoch"], r["wer"])
+            for r in records
+            if r["kind"] in ("eval", "mid_epoch_eval")
+            and _is_number(r.get("wer"))
+            and _is_number(r.get("step"))
+        }
+
+    refs, groups = _pair_by_seed(runs, prefix, scores)
+    steps = sorted(set.intersection(*(set(ref) for ref in refs.values())))
+    if len(steps) < 2:
+        return []
+    ref_mean = {k: statistics.fmean(ref[k][1] for ref in refs.values()) for k in steps}
+    lines = []
+    for group, by_seed in groups.items():
+        for i, step in enumerate(steps):
+            gaps = [
+                ours[step][1] - refs[seed][step][1]
+                for seed, ours in by_seed.items()
+                if seed in refs and step in ours
+            ]
+            if len(gaps) < 2:
+                continue
+            before, after = steps[max(i - 1, 0)], steps[min(i + 1, len(steps) - 1)]
+            slope = (ref_mean[after] - ref_mean[before]) / (after - before)
+            mean, error = _mean_and_error(gaps)
+            epoch = next(iter(refs.values()))[step][0]
+            line = (
+                f"{group} against {prefix}, dev WER at step {step} (epoch {epoch}): "
+                f"{100 * mean:+.2f} points (+-{100 * error:.2f}, {len(gaps)} seeds)"
             )
             if slope < 0:
                 line += f", {mean / -slope:+.1f} +- {error / -slope:.1f} steps behind"
@@ -400,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         "--paired",
         metavar="PREFIX",
         default=None,
-        help="runs labelled 'GROUP sN' against 'PREFIX sN' of the same seed: steps behind in loss",
+        help="runs labelled 'GROUP sN' against 'PREFIX sN' of the same seed: steps behind",
     )
     args = parser.parse_args(argv)
     labels = args.labels or [p.parent.name or str(p) for p in args.metrics]

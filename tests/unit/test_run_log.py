@@ -487,3 +487,63 @@ def test_paired_runs_give_the_steps_a_group_trails_by_in_training_loss():
     ]
     with pytest.raises(ValueError, match="labelled 'cudnn sN' for 2\\+ seeds"):
         paired_lag(runs, "cudnn")
+
+
+def test_paired_runs_give_the_steps_a_group_trails_by_in_dev_wer():
+    """Reference WERs fall by 0.01 a step, scored inside epochs and at their ends; a group's
+    seed 1 is 1 step behind and seed 2 3 steps: +2 points, 2 +- 1 steps at every score both
+    have. A step that one reference run was not scored at is left out; so is the step only one
+    seed of the group reached."""
+    from rnnt.cli.plot_metrics import paired_wer_lag
+
+    def run(lag: float, steps=(10, 15, 20, 25, 30)) -> list[dict]:
+        return [
+            {
+                "kind": "eval" if k % 10 == 0 else "mid_epoch_eval",
+                "step": k,
+                "epoch": (k + 9) // 10,
+                "wer": 0.9 - 0.01 * (k - lag),
+            }
+            for k in steps
+        ]
+
+    runs = {
+        "plain s1": run(0),
+        "plain s2": run(0, steps=(10, 15, 20, 30)),
+        "fast s1": run(1),
+        "fast s2": run(3, steps=(10, 15, 20, 25)),
+    }
+    lines = paired_wer_lag(runs, "plain")
+    assert lines == [
+        f"fast against plain, dev WER at step {k} (epoch {e}): +2.00 points (+-1.00, 2 seeds), "
+        "+2.0 +- 1.0 steps behind"
+        for k, e in ((10, 1), (15, 2), (20, 2))
+    ]
+    assert paired_wer_lag({"plain s1": run(0), "plain s2": run(0, steps=(10,))}, "plain") == []
+
+
+def test_the_band_takes_the_scores_inside_epochs_that_every_reference_run_has():
+    """Epochs of 10 steps scored every 5: the band lies at epochs 9, 9.5 and 10; the score at
+    9.8 only one plain run has is left out of the band, and epoch 9.5's line names it."""
+    from rnnt.cli.plot_metrics import band, band_lines
+
+    def run(wers: dict[int, float]) -> list[dict]:
+        return [
+            {"kind": "eval" if k % 10 == 0 else "mid_epoch_eval", "epoch": 10, "step": k, "wer": w}
+            | ({"epoch": k // 10} if k % 10 == 0 else {})
+            for k, w in wers.items()
+        ]
+
+    runs = {
+        "plain a": run({90: 0.8, 95: 0.6, 98: 0.5, 100: 0.4}),
+        "plain b": run({90: 0.8, 95: 0.4, 100: 0.4}),
+        "fast": run({90: 0.8, 95: 0.55, 98: 0.45, 100: 0.44}),
+    }
+    ref, others = band(runs, "plain")
+    assert ref.epochs == [9, 9.5, 10]
+    assert ref.low == pytest.approx([0.0, -20.0, 0.0]) and ref.high == pytest.approx([0, 20, 0])
+    assert others["fast"] == [(9, 0.0), (9.5, pytest.approx(10.0)), (10, pytest.approx(10.0))]
+    assert band_lines("plain", ref, others)[1] == (
+        "epoch 9.50: plain mean 50.00% (range -20.0% to +20.0%); others 1 of 1 inside, "
+        "0 above, 0 below"
+    )
