@@ -41,7 +41,8 @@
 #   bash bench/gpu_session.sh converge    # the runs of configs/convergence/, in the background
 #   bash bench/gpu_session.sh fork        # more runs, from the fast run's first checkpoint past
 #                                         # the loss plateau
-#   bash bench/gpu_session.sh wait        # until they end (or this call's time); their metrics
+#   bash bench/gpu_session.sh wait        # until they end (or this call's time); their logs
+#                                         # and metrics in $OUT/runs.tar.gz
 #   bash bench/gpu_session.sh evalparity  # eval.py in every decoder mode; compliance checker
 #   bash bench/gpu_session.sh rescore     # each run's checkpoint scored with nn.LSTM and the wave
 #                                         # kernels' forward (eval.encoder_lstm)
@@ -441,12 +442,16 @@ PY
     while runs_alive && [ "$(date +%s)" -lt "$deadline" ]; do
       sleep 10
     done
+    # every run's log and metrics in one file, $OUT/runs.tar.gz: the device tool brings back
+    # at most 8 files a call, and a session's forks make more than that
+    rm -rf /tmp/gpu_session_runs && mkdir -p /tmp/gpu_session_runs
     for log in "$runs"/*.log; do
       name=$(basename "$log" .log)
-      cp "$log" "$OUT/$name.log"
-      cp "$runs/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+      cp "$log" "/tmp/gpu_session_runs/$name.log"
+      cp "$runs/$name/metrics.jsonl" "/tmp/gpu_session_runs/${name}_metrics.jsonl" 2>/dev/null
       echo "== $name"; grep -v Warning "$log" | tail -n 4
     done
+    tar -czf "$OUT/runs.tar.gz" -C /tmp/gpu_session_runs .
     pgrep -fa "train.py configs/convergence|rnnt_converge_src.*/lane_" || echo "all runs ended" ;;
   stress)
     # RUNS_PER_GPU (default 3) short fast-path runs on every GPU at once, for STRESS_S seconds

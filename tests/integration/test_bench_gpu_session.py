@@ -1,6 +1,6 @@
 """bench/gpu_session.sh's detached training runs (`converge`, `wait`): runs given one GPU run
 one after another, also across calls, runs on different GPUs side by side, and `wait` returns
-only once the queued runs have ended too.
+only once the queued runs have ended too, with their logs in one archive.
 
 The script runs from a copy of this checkout's harness with a stand-in `nvidia-smi` (the GPU
 count and memory are all it reads here) and a source tree (`SRC`) whose train.py records
@@ -11,6 +11,7 @@ checked.
 import os
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,9 @@ def test_runs_on_one_gpu_queue_in_order_and_wait_waits_for_the_queue(harness):
     assert "plain_s1: GPUs 0, after the runs before it on them" in started
     waited = _session(harness, "wait", 1)
     assert "all runs ended" in waited
+    with tarfile.open(root / "results" / "gpu" / "runs.tar.gz") as archive:
+        logs = sorted(Path(name).name for name in archive.getnames() if name.endswith(".log"))
+    assert logs == ["fast_s1.log", "fast_s2.log", "plain_s1.log", "plain_s2.log"]
     spans = _spans(root)
     order = sorted(spans, key=lambda name: spans[name][0])
     assert order == ["fast_s1", "plain_s1", "fast_s2", "plain_s2"]
