@@ -14,10 +14,10 @@ relative to the group's mean, epoch by epoch, over the group's range, and the ca
 many runs lie inside, above and below that range at each epoch. Runs that differ by chance
 alone sit a point or less apart on the full scale, where no difference can be read. A run's
 scores inside epochs (`training.eval_every_steps`) join its dev WER curve and the band at
-fractional epochs; the table uses the epochs' own. `--paired PREFIX` pairs runs labelled "GROUP sN"
-with "PREFIX sN" (the same seed, so the same batches) and prints how many steps each group
-trails the PREFIX runs: per epoch in training loss, and at each step where all were scored in
-dev WER.
+fractional epochs; the table uses the epochs' own. `--paired PREFIX` pairs runs labelled
+"GROUP sN" with "PREFIX sN" (the same seed, so the same batches) and prints how many steps
+each group trails the PREFIX runs: per epoch in training loss, and in dev WER at each step
+where all of them were scored.
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def band(runs: dict[str, list[dict]], prefix: str) -> tuple[Band, dict[str, list
 
 
 def band_lines(prefix: str, ref: Band, others: dict[str, list[tuple]]) -> list[str]:
-    """Per epoch: the group's mean and range, and how many other runs lie inside, above and
-    below it."""
+    """Per score of the band (an epoch, or a fractional epoch inside one): the group's mean
+    and range, and how many other runs lie inside, above and below it."""
     lines = []
     for i, e in enumerate(ref.epochs):
         rel = [r for points in others.values() for ep, r in points if ep == e]
@@ -145,8 +145,8 @@ def band_lines(prefix: str, ref: Band, others: dict[str, list[tuple]]) -> list[s
         below = sum(r < ref.low[i] for r in rel)
         lines.append(
             f"epoch {_epoch_name(e)}: {prefix} mean {100 * ref.mean[i]:.2f}% (range "
-            f"{ref.low[i]:+.1f}% to "
-            f"{ref.high[i]:+.1f}%); others {len(rel) - above - below} of {len(rel)} inside, "
+            f"{ref.low[i]:+.1f}% to {ref.high[i]:+.1f}%); others "
+            f"{len(rel) - above - below} of {len(rel)} inside, "
             f"{above} above, {below} below"
         )
     return lines
