@@ -12,8 +12,11 @@ percent, so how far the readings themselves differ has to be known. This builds 
 does), and for each of `--batches` training batches runs `Trainer._forward_loss`, the loss of
 a training step, once per backend on the same batch, with the model in eval mode (no dropout,
 so both see one function) and SpecAugment's generator put back between the calls (so both see
-the same masks). It prints the median, mean, spread and largest relative difference of the
-second backend's reading from the first's, and names the implementation each backend chose.
+the same masks). In eval mode the model runs eagerly, without the CUDA graphs, and its encoder
+runs nn.LSTM (cuDNN), not the wave kernels of training: what differs
+between the two readings is the loss alone, on the same encoder and prediction outputs. It
+prints the median, mean, spread and largest relative difference of the second backend's reading
+from the first's, and names the implementation each backend chose.
 """
 
 from __future__ import annotations
