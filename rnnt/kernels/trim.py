@@ -3,16 +3,24 @@
 The reference takes a float64 cumulative sum of the squared samples over each whole row and
 subtracts it at every window start: about ten float64 passes over the (B, S) batch and an int64
 index of the same size for the final shift, the largest part of the feature stage's GPU time
-after the resampler. Here each program sums the windows of `WINDOW` consecutive starts from
-two blocks of samples held in registers: with lo = x[i0, i0 + W) and hi = x[i0 + W, i0 + 2W),
-the window at i0 + j sums to sum(lo^2) - prefix(lo^2)[j] + prefix(hi^2)[j], where prefix is
-exclusive. The sums are float64 over at most 2W terms, so a quiet window next to a loud one
-keeps its precision, as in the reference (float32 would lose it).
+after the resampler. Here the windows of `WINDOW` consecutive starts (a block of starts) are
+summed from two blocks of samples held in registers: with lo = x[i0, i0 + W) and
+hi = x[i0 + W, i0 + 2W), the window at i0 + j sums to sum(lo^2) + prefix(hi^2 - lo^2)[j], where
+prefix is exclusive: one scan a block. The sums are float64 (a float32 sample's square is exact
+there), so a quiet window next to a loud one keeps its precision, as in the reference (float32
+would lose it).
 
-Two passes read the batch: the first finds each row's loudest window (and each block's), the
-second the first and last window within the cutoff of it, summing only the first and last block
-that holds such a window. A third writes the kept samples shifted to the row's start; the
-feature stage skips it (`loud_regions_cuda`), and its framing reads them where they are.
+Two passes read the batch. The first finds each block's loudest window; a program walks
+`LOUDEST_GROUP` blocks of a row, each block's hi becoming the next one's lo, and stops at the
+row's last window: the blocks of padding past it (random batches are about a third padding)
+cost one store. The second, one program a row, takes the loudest of the row's block maxima,
+finds the first and the last block that reaches the cutoff below it, and sums only those two
+again for the first and the last loud window: the region to keep, begin and length. A third
+kernel writes the kept samples shifted to the row's start; the feature stage skips it
+(`loud_regions_cuda`), and its framing reads them where they are.
+
+Both passes sum a block with the same code at the same launch width, so a block that the first
+pass found loud has a window at the cutoff in the second.
 """
 
 from __future__ import annotations
@@ -22,26 +30,32 @@ import triton
 import triton.language as tl
 
 NUM_WARPS = 8
-LOUD_BLOCK_SCAN = 128  # block maxima read at a time by the second pass's programs
+LOUDEST_GROUP = 4  # blocks of starts a program of the first pass walks
+LOUD_BLOCK_SCAN = 128  # block maxima read at a time by the second pass
 
 
 @triton.jit
-def _block_window_sums(wave_ptr, lengths_ptr, width, WINDOW: tl.constexpr):
-    """This program's row and block, the (WINDOW,) starts of its windows, their float64 sums
-    of squares, and the mask of the windows that lie inside the row's length."""
-    row = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1).to(tl.int64)
-    length = tl.load(lengths_ptr + row)
-    lo_pos = block * WINDOW + tl.arange(0, WINDOW)
-    hi_pos = lo_pos + WINDOW
-    lo = tl.load(wave_ptr + row * width + lo_pos, mask=lo_pos < length, other=0.0).to(tl.float64)
-    hi = tl.load(wave_ptr + row * width + hi_pos, mask=hi_pos < length, other=0.0).to(tl.float64)
-    lo_sq = lo * lo
-    hi_sq = hi * hi
-    lo_prefix = tl.cumsum(lo_sq, 0) - lo_sq
-    hi_prefix = tl.cumsum(hi_sq, 0) - hi_sq
-    sums = tl.sum(lo_sq, 0) - lo_prefix + hi_prefix
-    return row, block, lo_pos, sums, lo_pos <= length - WINDOW
+def _squares(row_ptr, pos, length):
+    """float64 squares of a row's samples at `pos`, zero past its length."""
+    x = tl.load(row_ptr + pos, mask=pos < length, other=0.0).to(tl.float64)
+    return x * x
+
+
+@triton.jit
+def _window_sums(lo_sq, lo_total, hi_sq):
+    """The sums of squares of the windows starting at each position of lo's block, from the
+    squares of that block (lo_sq, summing to lo_total) and of the next (hi_sq)."""
+    step = hi_sq - lo_sq
+    return lo_total + (tl.cumsum(step, 0) - step)
+
+
+@triton.jit
+def _block_window_sums(row_ptr, length, block, WINDOW: tl.constexpr):
+    """(starts, float64 sums, inside the row) of the windows starting in one block."""
+    pos = block * WINDOW + tl.arange(0, WINDOW)
+    lo_sq = _squares(row_ptr, pos, length)
+    sums = _window_sums(lo_sq, tl.sum(lo_sq, 0), _squares(row_ptr, pos + WINDOW, length))
+    return pos, sums, pos <= length - WINDOW
 
 
 # The widths change with every batch: not specialized on, so no batch compiles a variant.
@@ -53,10 +67,31 @@ def _loudest_kernel(
     width,
     n_blocks,
     WINDOW: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
-    row, block, _, sums, valid = _block_window_sums(wave_ptr, lengths_ptr, width, WINDOW)
-    # -1 where no window starts inside the row: no such block counts as loud in the second pass
-    tl.store(block_max_ptr + row * n_blocks + block, tl.max(tl.where(valid, sums, -1.0), 0))
+    row = tl.program_id(0).to(tl.int64)
+    first_block = tl.program_id(1).to(tl.int64) * GROUP
+    length = tl.load(lengths_ptr + row)
+    # windows start at 0 .. length - WINDOW: the row's blocks past the last start hold none,
+    # which the second pass reads as -1 (never loud)
+    row_blocks = tl.where(length >= WINDOW, (length - WINDOW) // WINDOW + 1, 0)
+    todo = tl.minimum(tl.maximum(row_blocks - first_block, 0), GROUP).to(tl.int32)
+    out = block_max_ptr + row * n_blocks + first_block
+    g = tl.arange(0, GROUP)
+    none = tl.full((GROUP,), -1.0, tl.float64)
+    tl.store(out + g, none, mask=(g >= todo) & (first_block + g < n_blocks))
+    if todo > 0:
+        row_ptr = wave_ptr + row * width
+        pos = first_block * WINDOW + tl.arange(0, WINDOW)
+        lo_sq = _squares(row_ptr, pos, length)
+        lo_total = tl.sum(lo_sq, 0)
+        for i in range(todo):
+            hi_sq = _squares(row_ptr, pos + WINDOW, length)
+            sums = _window_sums(lo_sq, lo_total, hi_sq)
+            tl.store(out + i, tl.max(tl.where(pos <= length - WINDOW, sums, -1.0), 0))
+            lo_sq = hi_sq
+            lo_total = tl.sum(hi_sq, 0)
+            pos += WINDOW
 
 
 @triton.jit(do_not_specialize=["width", "n_blocks"])
@@ -64,37 +99,44 @@ def _loud_span_kernel(
     wave_ptr,  # (B, width) float32
     lengths_ptr,  # (B,) int64
     block_max_ptr,  # (B, n_blocks) float64: from _loudest_kernel
-    threshold_ptr,  # (B,) float64: the window sum at which a window is loud
-    first_ptr,  # (B, n_blocks) int64: the block's first loud start, or `width`
-    last_ptr,  # (B, n_blocks) int64: the block's last loud start, or -1
+    cutoff_ptr,  # (1,) float64: the loud windows' least power over the loudest's
+    begin_ptr,  # (B,) int64: where the kept region starts
+    kept_ptr,  # (B,) int64: its length
     width,
     n_blocks,
     WINDOW: tl.constexpr,
     SCAN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
-    threshold = tl.load(threshold_ptr + row)
-    # Only the row's first and last loud block can hold its first and last loud window, and a
-    # block is loud where its largest window sum reaches the threshold: the other programs
-    # skip the sums (most of a row's blocks), and the result is the same.
+    length = tl.load(lengths_ptr + row)
+    maxima_ptr = block_max_ptr + row * n_blocks
+    loudest = tl.full((), -1.0, tl.float64)
+    for start in range(0, n_blocks, SCAN):
+        index = start + tl.arange(0, SCAN)
+        maxima = tl.load(maxima_ptr + index, mask=index < n_blocks, other=-1.0)
+        loudest = tl.maximum(loudest, tl.max(maxima, 0))
+    # the powers are the sums over the same window, so the sums compare alike
+    threshold = loudest * tl.load(cutoff_ptr)
     first_block = n_blocks
     last_block = -1
     for start in range(0, n_blocks, SCAN):
         index = start + tl.arange(0, SCAN)
-        maxima = tl.load(block_max_ptr + row * n_blocks + index, mask=index < n_blocks, other=-1.0)
+        maxima = tl.load(maxima_ptr + index, mask=index < n_blocks, other=-1.0)
         loud_block = maxima >= threshold
         first_block = tl.minimum(first_block, tl.min(tl.where(loud_block, index, n_blocks), 0))
         last_block = tl.maximum(last_block, tl.max(tl.where(loud_block, index, -1), 0))
-    first = tl.full((), 0, tl.int64) + width
-    last = tl.full((), -1, tl.int64)
-    if (block == first_block) | (block == last_block):
-        _, _, pos, sums, valid = _block_window_sums(wave_ptr, lengths_ptr, width, WINDOW)
-        loud = valid & (sums >= threshold)
-        first = tl.min(tl.where(loud, pos, width), 0)
-        last = tl.max(tl.where(loud, pos, -1), 0)
-    tl.store(first_ptr + row * n_blocks + block, first)
-    tl.store(last_ptr + row * n_blocks + block, last)
+    if length < WINDOW:  # no window: the row is kept whole
+        tl.store(begin_ptr + row, tl.zeros((), tl.int64))
+        tl.store(kept_ptr + row, length)
+    else:
+        row_ptr = wave_ptr + row * width
+        pos, sums, valid = _block_window_sums(row_ptr, length, first_block, WINDOW)
+        first = tl.min(tl.where(valid & (sums >= threshold), pos, width), 0)
+        pos, sums, valid = _block_window_sums(row_ptr, length, last_block, WINDOW)
+        last = tl.max(tl.where(valid & (sums >= threshold), pos, -1), 0)
+        end = tl.minimum(last + WINDOW, length)
+        tl.store(begin_ptr + row, first)
+        tl.store(kept_ptr + row, end - first)
 
 
 @triton.jit(do_not_specialize=["width"])
@@ -141,30 +183,27 @@ def loud_regions_cuda(
     lengths = lengths.contiguous()
     batch, width = wave.shape
     n_blocks = max(1, triton.cdiv(width - window + 1, window))
-    grid = (batch, n_blocks)
     block_max = torch.empty(batch, n_blocks, dtype=torch.float64, device=wave.device)
-    _loudest_kernel[grid](
-        wave, lengths, block_max, width, n_blocks, WINDOW=window, num_warps=NUM_WARPS
+    group = LOUDEST_GROUP
+    _loudest_kernel[(batch, triton.cdiv(n_blocks, group))](
+        wave, lengths, block_max, width, n_blocks, WINDOW=window, GROUP=group, num_warps=NUM_WARPS
     )
-    # a window is loud at or above the loudest's power times the cutoff; the powers are the
-    # sums over the same `window`, so the sums compare alike
-    threshold = block_max.amax(dim=1) * 10.0 ** (cutoff_db / 10.0)
-    first = torch.empty(batch, n_blocks, dtype=torch.int64, device=wave.device)
-    last = torch.empty_like(first)
-    _loud_span_kernel[grid](
+    # the reference's float64 factor, as a kernel argument of a fill (a Python float would
+    # reach the kernel as float32)
+    cutoff = torch.full((1,), 10.0 ** (cutoff_db / 10.0), dtype=torch.float64, device=wave.device)
+    begin = torch.empty(batch, dtype=torch.int64, device=wave.device)
+    kept = torch.empty_like(begin)
+    _loud_span_kernel[(batch,)](
         wave,
         lengths,
         block_max,
-        threshold,
-        first,
-        last,
+        cutoff,
+        begin,
+        kept,
         width,
         n_blocks,
         WINDOW=window,
         SCAN=LOUD_BLOCK_SCAN,
         num_warps=NUM_WARPS,
     )
-    short = lengths < window
-    begin = torch.where(short, 0, first.amin(dim=1))
-    end = torch.where(short, lengths, torch.minimum(last.amax(dim=1) + window, lengths))
-    return begin, end - begin
+    return begin, kept

@@ -121,15 +121,17 @@ def test_trim_matches_window_loop_oracle():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("scan", [None, 4], ids=["default_scan", "scan_of_4"])
-def test_trim_kernel_equals_the_reference(device, scan, monkeypatch):
+@pytest.mark.parametrize("scan,group", [(None, None), (4, 1)], ids=["default", "scan4_group1"])
+def test_trim_kernel_equals_the_reference(device, scan, group, monkeypatch):
     """rnnt.kernels.trim against the float64 cumulative sums of `trim_silence` and the window
     loop: speech between silences, a quiet row with a click, a fade through the cutoff, rows
     shorter than, equal to and just over the window, a silent row, two bursts with whole blocks
     of starts of silence between them, noise in one row's padding (which no window may read),
     and fades right after loud speech. The second pass reads the row's block maxima a scan at a
     time (128, more blocks than these rows have, or 4, so that it takes several scans, as a
-    16.7 s utterance sped up does). The CPU case runs Triton's interpreter."""
+    16.7 s utterance sped up does), and the first pass's programs walk four blocks of a row
+    (the default: some stop early at the row's end) or one. The CPU case runs Triton's
+    interpreter."""
     pytest.importorskip("triton")
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -138,6 +140,7 @@ def test_trim_kernel_equals_the_reference(device, scan, monkeypatch):
 
     if scan is not None:
         monkeypatch.setattr(trim, "LOUD_BLOCK_SCAN", scan)
+        monkeypatch.setattr(trim, "LOUDEST_GROUP", group)
 
     rng = np.random.default_rng(3)
     fade = _speechlike(rng, 12000) * np.logspace(-5, 0, 12000).astype(np.float32)
@@ -508,11 +511,11 @@ KERNELS = {
         "BLOCK": P, "PCM16": P}, {"HALF": 19, "LOBES": 16, "BLOCK": resample.BLOCK,
         "PCM16": True}, {"num_warps": resample.NUM_WARPS}),
     "loudest": (trim._loudest_kernel, {"wave_ptr": "*fp32", "lengths_ptr": "*i64",
-        "block_max_ptr": "*fp64", "width": "i32", "n_blocks": "i32", "WINDOW": P},
-        {"WINDOW": 2048}, {"num_warps": trim.NUM_WARPS}),
+        "block_max_ptr": "*fp64", "width": "i32", "n_blocks": "i32", "WINDOW": P, "GROUP": P},
+        {"WINDOW": 2048, "GROUP": trim.LOUDEST_GROUP}, {"num_warps": trim.NUM_WARPS}),
     "loud_span": (trim._loud_span_kernel, {"wave_ptr": "*fp32", "lengths_ptr": "*i64",
-        "block_max_ptr": "*fp64", "threshold_ptr": "*fp64", "first_ptr": "*i64",
-        "last_ptr": "*i64", "width": "i32", "n_blocks": "i32", "WINDOW": P, "SCAN": P},
+        "block_max_ptr": "*fp64", "cutoff_ptr": "*fp64", "begin_ptr": "*i64",
+        "kept_ptr": "*i64", "width": "i32", "n_blocks": "i32", "WINDOW": P, "SCAN": P},
         {"WINDOW": 2048, "SCAN": trim.LOUD_BLOCK_SCAN}, {"num_warps": trim.NUM_WARPS}),
     "shift": (trim._shift_kernel, {"wave_ptr": "*fp32", "begin_ptr": "*i64",
         "new_lengths_ptr": "*i64", "out_ptr": "*fp32", "width": "i32", "BLOCK": P},
@@ -520,9 +523,10 @@ KERNELS = {
     "frames": (frames._frames_kernel, {"wave_ptr": "*fp32", "noise_ptr": "*fp32",
         "begin_ptr": "*i64", "lengths_ptr": "*i64", "layout_ptr": "*i64", "window_ptr": "*fp32",
         "out_ptr": "*fp32", "width": "i32", "dither": "fp32", "coeff": "fp32", "HOP": P, "WIN": P,
-        "N_FFT": P, "FRAMES": P, "HAS_DITHER": P, "HAS_BEGIN": P}, {"HOP": 160, "WIN": 320,
-        "N_FFT": 512, "FRAMES": frames.FRAMES_PER_PROGRAM, "HAS_DITHER": True,
-        "HAS_BEGIN": True}, {"num_warps": 8, "enable_fp_fusion": False}),
+        "N_FFT": P, "FRAMES": P, "CHUNK": P, "HAS_DITHER": P, "HAS_BEGIN": P}, {"HOP": 160,
+        "WIN": 320, "N_FFT": 512, "FRAMES": frames.FRAMES_PER_PROGRAM,
+        "CHUNK": frames.FRAME_CHUNK, "HAS_DITHER": True, "HAS_BEGIN": True},
+        {"num_warps": frames.FRAMES_NUM_WARPS, "enable_fp_fusion": False}),
     "power": (frames._power_kernel, {"spec_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
         "BLOCK": P}, {"BLOCK": frames.POWER_BLOCK},
         {"num_warps": 4, "enable_fp_fusion": False}),
