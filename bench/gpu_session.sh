@@ -81,8 +81,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # PYTHONPATH for a trainer from the source tree $1: that tree first. A trainer imports its own
 # tree's rnnt (its script's folder leads sys.path), but the loader's forkserver does not get
-# that sys.path, and trees before the loader's own fix ran this checkout's loader in their
-# workers beside their own trainer.
+# that sys.path, and puts its working directory (here, this checkout) first on its own: trees
+# whose `worker_processes` does not set PYTHONSAFEPATH run this checkout's loader in their
+# workers beside their own trainer, so time their loader from their own directory.
 tree_path() { echo "$(cd "$1" && pwd):$PYTHONPATH"; }
 # Phases started side by side (ON_GPU) set the machine up one at a time: two unpacking DALI
 # or installing wheels into the same folder at once left broken or half-written files.

@@ -447,23 +447,28 @@ def worker_processes() -> multiprocessing.context.BaseContext:
     # takes effect where the server has not started yet
     context.set_forkserver_preload(["torch", __name__])
     # The server does not inherit this process's sys.path (CPython's forkserver drops it):
-    # it finds `rnnt` through PYTHONPATH and its working directory. With another checkout
-    # installed or on PYTHONPATH, the workers would run that checkout's loader beside this
-    # one's trainer, and from outside the repository an uninstalled checkout's workers would
-    # find none. So the server starts with this package's own root first on its path.
+    # it finds `rnnt` through PYTHONPATH and its working directory, which it puts first. With
+    # another checkout installed, on PYTHONPATH or in the working directory, the workers would
+    # run that checkout's loader beside this one's trainer, and from outside the repository
+    # an uninstalled checkout's workers would find none. So the server starts with this
+    # package's own root first on its path, and without its working directory
+    # (PYTHONSAFEPATH, Python 3.11 and later).
     own_root = str(Path(__file__).resolve().parents[2])
-    inherited = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([own_root, *([inherited] if inherited else [])])
+    inherited = {key: os.environ.get(key) for key in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    path = inherited["PYTHONPATH"]
+    os.environ["PYTHONPATH"] = os.pathsep.join([own_root, *([path] if path else [])])
+    os.environ["PYTHONSAFEPATH"] = "1"
     try:
         # Started now, while the trainer builds its model and graphs: left to the first
         # loader's iteration, the server's imports fall inside the timed region. It touches
         # no data.
         multiprocessing.forkserver.ensure_running()
     finally:
-        if inherited is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = inherited
+        for key, value in inherited.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
     return context
 
 

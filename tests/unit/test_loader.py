@@ -314,13 +314,17 @@ if __name__ == "__main__":
     print(loader.__file__)
     print(worker)
     print(os.environ["PYTHONPATH"])
+    print(os.environ.get("PYTHONSAFEPATH"))
 """
 
 
-def test_workers_run_the_loader_of_the_trainer_that_started_them(tmp_path):
-    """A trainer run from a second checkout, with the first one on PYTHONPATH (or installed)
-    and from outside both: CPython's forkserver does not pass the trainer's sys.path on, so
-    its workers imported the first checkout's loader, and timed two versions as one."""
+@pytest.mark.parametrize("cwd", ["outside both", "the first checkout"])
+def test_workers_run_the_loader_of_the_trainer_that_started_them(tmp_path, cwd):
+    """A trainer run from a second checkout, with the first one on PYTHONPATH (or installed),
+    from outside both or from the first checkout's root (as bench/gpu_session.sh runs an
+    older tree beside this one): CPython's forkserver does not pass the trainer's sys.path on,
+    and puts its working directory first on its own, so its workers imported the first
+    checkout's loader, and timed two versions as one."""
     second = tmp_path / "second"
     shutil.copytree(Path(__file__).parents[2] / "rnnt", second / "rnnt")
     (second / "which_loader.py").write_text(_WHICH_LOADER)
@@ -328,15 +332,19 @@ def test_workers_run_the_loader_of_the_trainer_that_started_them(tmp_path):
         [sys.executable, str(second / "which_loader.py")],
         capture_output=True,
         text=True,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+        cwd=tmp_path if cwd == "outside both" else Path(__file__).parents[2],
+        env={
+            **{k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"},
+            "PYTHONPATH": str(Path(__file__).parents[2]),
+        },
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    trainer, worker, restored = proc.stdout.split()
+    trainer, worker, restored, safe_path = proc.stdout.split()
     assert Path(trainer) == second / "rnnt" / "data" / "loader.py"
     assert worker == trainer
-    assert restored == str(Path(__file__).parents[2])  # the trainer's own is left as it was
+    # the trainer's own environment is left as it was
+    assert restored == str(Path(__file__).parents[2]) and safe_path == "None"
 
 
 def test_batched_device_path_matches_per_utterance_path(corpus):
