@@ -322,7 +322,8 @@ case "$phase" in
       --backends ${BACKENDS:-torch dali} --resampling ${RESAMPLING:-gpu cpu} --threads ${THREADS:-4 8} \
       ${PROFILE:+--profile} --json "$OUT/data_pipeline_$tag.json" 2>&1 | tee "$OUT/data_pipeline_$tag.log"
     # what each torch-loader batch costs the training process on this host's cores
-    python3 bench/worker_handoff.py --workers 4 2>&1 | grep "^keep" | tee "$OUT/worker_handoff.log" ;;
+    python3 bench/worker_handoff.py --workers 4 2>&1 | grep -E "^(new|reused)" \
+      | tee "$OUT/worker_handoff.log" ;;
   realstep)
     # the fast path's trainer for EPOCHS (2) epochs on the corpus's audio, then on synthetic
     # batches of the same utterances' lengths and transcripts (a lengths table written from the

@@ -1,4 +1,4 @@
-"""What the training process pays for each padded batch that a torch-loader worker sends it.
+"""What a padded batch of a torch-loader worker costs the worker and the training process.
 
 The workers run the loader's own collate function (`rnnt.data.loader.WorkerCollate`) on rows
 of int16 PCM, by default 192 utterances of 16.7 s at 16 kHz (a 103 MB batch), and the
@@ -6,23 +6,29 @@ DataLoader starts them as the loader does (`worker_processes`), two batches aske
 worker at a time. Per batch, timed in the training process:
 - receive: `next()` on the DataLoader's iterator (with any wait for the workers);
 - copy: one copy into a buffer mapped long before, which touches every page of the batch's
-  fresh mapping, as the pin-memory thread's copy to pinned memory does;
+  mapping, as the pin-memory thread's copy to pinned memory does (then, with reused buffers,
+  the batch's release to its worker, as that thread's does);
 - drop: releasing the batch, where the last reference frees its shared-memory segment;
 - how far a second Python thread of the training process got during the drop, against its
-  rate while the main thread sleeps: near 0 means the drop held the interpreter's lock.
-With `keep` 0 (the workers release each batch once sent) and the loader's default (they keep
-their last two), medians over the batches. No GPU is needed.
+  rate while the main thread sleeps: near 0 means the drop held the interpreter's lock;
+- the workers' CPU time per batch (/proc), which bounds how many batches a core makes.
+Three ways, medians over the batches: a new segment a batch that the workers let go once sent
+(`new, keep 0`), the same kept for their last two (`new, keep 2`: the loader's way for batches
+used where they lie), and the workers' reused buffers (`reused`: the loader's way when it pins
+the batches). No GPU is needed.
 
-    python bench/worker_handoff.py [--batch 192] [--seconds 16.7] [--workers 2] [--batches 10]
+    python bench/worker_handoff.py [--batch 192] [--seconds 16.7] [--workers 2] [--batches 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -71,13 +77,26 @@ class Ticker:
         return (self.count - start) / seconds
 
 
-def measure(keep: int, batch: int, samples: int, workers: int, batches: int) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process `pid`, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+ARMS = {
+    "new, keep 0": lambda workers: WorkerCollate(keep=0),
+    "new, keep 2": lambda workers: WorkerCollate(keep=2),
+    "reused": lambda workers: WorkerCollate(WorkerCollate.buffer_flags(workers)),
+}
+
+
+def measure(arm: str, batch: int, samples: int, workers: int, batches: int) -> dict:
     rows_per_batch = [list(range(i * batch, (i + 1) * batch)) for i in range(batches)]
     loader = DataLoader(
         NoiseRows(samples),
         batch_sampler=rows_per_batch,
         num_workers=workers,
-        collate_fn=WorkerCollate(keep=keep),
+        collate_fn=ARMS[arm](workers),
         # the loader's default: each worker has at most two batches asked of it, so a worker
         # cannot run further ahead of the training process than it does in training
         prefetch_factor=2,
@@ -87,8 +106,11 @@ def measure(keep: int, batch: int, samples: int, workers: int, batches: int) -> 
     target = torch.empty(batch, samples, dtype=torch.int16)
     target.fill_(0)  # mapped and touched here, long before the batches
     first = next(batches_in)  # the workers have started; their queue fills now
+    first.release()
     del first
     time.sleep(3.0)
+    pids = [w.pid for w in batches_in._workers]
+    worker_cpu = sum(cpu_seconds(pid) for pid in pids)
     # handing the lock over every 0.1 ms, not every 5: the other thread's count then shows
     # whether the drop held it, and the handovers add little to the times
     switch = sys.getswitchinterval()
@@ -98,9 +120,12 @@ def measure(keep: int, batch: int, samples: int, workers: int, batches: int) -> 
     receive, copy, drop, progress = [], [], [], []
     for _ in range(batches - 1):
         t0 = time.perf_counter()
-        _indices, _seed, padded, _lens, _unreadable = next(batches_in)
+        sent = next(batches_in)
+        padded = sent.padded
         t1 = time.perf_counter()
         target[:, : padded.shape[1]].copy_(padded)
+        sent.release()
+        del sent
         t2 = time.perf_counter()
         ticks = ticker.count
         ticker.go.set()
@@ -115,9 +140,13 @@ def measure(keep: int, batch: int, samples: int, workers: int, batches: int) -> 
     ticker.running = False
     ticker.go.clear()
     sys.setswitchinterval(switch)
+    # since the sleep the workers made the batches after the two that each had made ahead
+    worker_cpu = sum(cpu_seconds(pid) for pid in pids) - worker_cpu
+    made = batches - 1 - 2 * workers
     del batches_in
     return {
-        "keep": keep,
+        "arm": arm,
+        "worker_cpu_ms": 1e3 * worker_cpu / made,
         "receive_ms": 1e3 * statistics.median(receive),
         "copy_ms": 1e3 * statistics.median(copy),
         "drop_ms": 1e3 * statistics.median(drop),
@@ -130,22 +159,27 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=192, help="utterances a batch")
     parser.add_argument("--seconds", type=float, default=16.7, help="each utterance's length")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--batches", type=int, default=10)
+    parser.add_argument("--batches", type=int, default=20)
     args = parser.parse_args()
-    if args.workers < 1 or args.batches < 2 or args.batch < 1 or args.seconds <= 0:
+    if (
+        args.workers < 1
+        or args.batches < 2 + 2 * args.workers
+        or args.batch < 1
+        or args.seconds <= 0
+    ):
         parser.error(
-            "--workers >= 1, --batches >= 2 (the first is not timed), --batch >= 1 "
-            "and --seconds > 0"
+            "--workers >= 1, --batches >= 2 + 2 x workers (the first is not timed, and the "
+            "workers make two each ahead of it), --batch >= 1 and --seconds > 0"
         )
     samples = round(args.seconds * 16000)
     mb = args.batch * samples * 2 / 1e6
-    default_keep = WorkerCollate().sent.maxlen
-    for keep in (0, default_keep):
-        r = measure(keep, args.batch, samples, args.workers, args.batches)
+    for arm in ARMS:
+        r = measure(arm, args.batch, samples, args.workers, args.batches)
         print(
-            f"keep {keep}: {mb:.0f} MB a batch: receive {r['receive_ms']:.1f} ms, copy "
+            f"{arm}: {mb:.0f} MB a batch: receive {r['receive_ms']:.1f} ms, copy "
             f"{r['copy_ms']:.1f} ms, drop {r['drop_ms']:.1f} ms; another thread ran at "
-            f"{100 * r['other_thread_during_drop']:.0f}% of its idle rate during the drop",
+            f"{100 * r['other_thread_during_drop']:.0f}% of its idle rate during the drop; "
+            f"workers {r['worker_cpu_ms']:.1f} ms of CPU a batch",
             flush=True,
         )
 

@@ -17,8 +17,9 @@ Torch backend, where the work happens:
   guard; the server imports torch and this module once, and the workers fork from it with
   them loaded (see `worker_processes`).
 * data.device = gpu: workers decode (and perturb the speed when data.resampling_device is
-  cpu); the main process pads the raw audio and computes the features of the whole batch in
-  one sync-free pass on `device`. This is the choice for the GPU machine: the CPU path runs
+  cpu) and pad the batch's raw audio into shared buffers that they reuse (WorkerCollate);
+  the main process copies it to pinned memory and computes the features of the whole batch
+  in one sync-free pass on `device`. This is the choice for the GPU machine: the CPU path runs
   about 50 twelve-second utterances per second per core (bench/data_pipeline.py, AMD EPYC),
   so 16 cores give some 800 utterances/s, below the ~1,740/s one H100 trains on, while the
   batched STFT is a small fraction of a training step on the GPU.
@@ -44,6 +45,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import math
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -155,12 +157,32 @@ class BatchAssembler:
         )
 
 
-def pad_stack(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad tensors of shape (..., L_i) with zeros to (N, ..., max L); returns lengths."""
+def padded_nbytes(rows: Sequence[torch.Tensor]) -> int:
+    """The bytes of `rows` padded to their longest (pad_stack's result)."""
+    longest = max(r.shape[-1] for r in rows)
+    return len(rows) * math.prod(rows[0].shape[:-1]) * longest * rows[0].element_size()
+
+
+def shared_storage(rows: Sequence[torch.Tensor]) -> torch.UntypedStorage:
+    """A new shared-memory segment for `rows` padded, made as the DataLoader's own collate makes
+    its batches: a private tensor sent from a worker is copied into a new segment on the way."""
+    return torch.UntypedStorage._new_shared(padded_nbytes(rows))
+
+
+def pad_stack(
+    rows: Sequence[torch.Tensor], storage: torch.UntypedStorage | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad tensors of shape (..., L_i) with zeros to (N, ..., max L); returns lengths.
+    storage: where the result lies (from its first byte on), else new memory."""
     lens = torch.tensor([r.shape[-1] for r in rows], dtype=torch.int64)
-    out = rows[0].new_zeros((len(rows), *rows[0].shape[:-1], int(lens.max())))
+    shape = (len(rows), *rows[0].shape[:-1], int(lens.max()))
+    if storage is None:
+        out = rows[0].new_empty(shape)
+    else:
+        out = torch.empty(0, dtype=rows[0].dtype).set_(storage, 0, shape)
     for i, r in enumerate(rows):
         out[i, ..., : r.shape[-1]] = r
+        out[i, ..., r.shape[-1] :] = 0
     return out, lens
 
 
@@ -316,12 +338,15 @@ class TorchFeatureLoader:
         self.ahead: Iterator | None = None
         self.at: tuple[int, int] | None = None
         workers = data.num_threads
+        pinned = device.type == "cuda"
+        # batches copied to pinned memory before use can come in buffers that the workers reuse
+        busy = WorkerCollate.buffer_flags(workers) if pinned and workers else None
         self.loader = DataLoader(
             dataset,
             batch_sampler=self.keyed,
             num_workers=workers,
-            collate_fn=WorkerCollate(),
-            pin_memory=device.type == "cuda",
+            collate_fn=WorkerCollate(busy),
+            pin_memory=pinned,
             worker_init_fn=_one_thread if workers else None,
             persistent_workers=workers > 0,
             multiprocessing_context=worker_processes() if workers else None,
@@ -380,13 +405,12 @@ class TorchFeatureLoader:
                 self.at = (epoch, read) if read < len(self.keyed) else (epoch + 1, 0)
             yield self._hand_over(queued.popleft())
 
-    def _queue(self, raw: tuple) -> tuple:
+    def _queue(self, raw: WorkerBatch) -> tuple:
         """A batch from the workers, with its device stage launched (data.device gpu)."""
-        indices, batch_seed, padded, lens, unreadable = raw
-        self.unreadable.handle(unreadable, len(indices))
+        self.unreadable.handle(raw.unreadable, len(raw.indices))
         if self.stage is None:
-            return indices, (padded, lens)
-        return indices, self.stage.launch(padded, lens, batch_seed)
+            return raw.indices, (raw.padded, raw.lens)
+        return raw.indices, self.stage.launch(raw.padded, raw.lens, raw.seed)
 
     def _hand_over(self, queued: tuple) -> FeatureBatch:
         indices, batch = queued
@@ -401,40 +425,112 @@ class TorchFeatureLoader:
             self.stage.warm_up()
 
 
+@dataclasses.dataclass
+class WorkerBatch:
+    """A batch as a loader worker sends it: the indices of its readable utterances, the
+    batch's seed (the whole batch's, dropped utterances or not), their rows padded (None when
+    none could be read), their lengths, and the messages of the unreadable ones.
+
+    busy and slot: the flags of the workers' reusable buffers and the (worker, buffer) that
+    `padded` lies in (WorkerCollate), marked free once the DataLoader's pin-memory thread has
+    copied the batch out of it."""
+
+    indices: list[int]
+    seed: int
+    padded: torch.Tensor | None
+    lens: torch.Tensor | None
+    unreadable: list[str]
+    busy: torch.Tensor | None = None
+    slot: tuple[int, int] | None = None
+
+    def pin_memory(self) -> WorkerBatch:
+        """The DataLoader's pin-memory thread calls this: a copy in pinned memory, after which
+        the worker may write its next batch over this one."""
+        pinned = dataclasses.replace(
+            self,
+            padded=None if self.padded is None else self.padded.pin_memory(),
+            lens=None if self.lens is None else self.lens.pin_memory(),
+            busy=None,
+            slot=None,
+        )
+        self.release()
+        return pinned
+
+    def release(self) -> None:
+        """Let the worker reuse the buffer this batch lies in; the batch must not be read after."""
+        if self.slot is not None:
+            self.busy[self.slot] = 0
+            self.slot = None
+
+
 class WorkerCollate:
-    """The loader's collate_fn, run in the worker processes: (indices, batch seed, padded
-    rows, lengths, messages of the unreadable ones). The seed is the whole batch's, dropped
-    utterances or not. Rows are int16 PCM or float32 (resampled, or averaged from several
+    """The loader's collate_fn, run in the worker processes: pads the rows of a batch into a
+    WorkerBatch. Rows are int16 PCM or float32 (resampled, or averaged from several
     channels); a batch of both is float32.
 
-    A worker keeps its last `keep` padded batches referenced after sending them. A batch
-    reaches the training process in a shared-memory segment, and whichever process drops the
-    segment last frees its pages one by one, holding the interpreter's lock while it does:
-    about 30 ms for a 100 MB batch of PCM (`bench/worker_handoff.py`). Done in the training
-    process, by the pin-memory thread, that stalls the thread that queues the steps and the
-    feature stage. Held here a little longer, the segment is freed by the worker, which has
-    time to spare. Two suffice: the DataLoader asks at most two batches of a worker at a time
-    (its prefetch_factor), so when a worker makes the batch after next, the training process
-    has taken the one it sent before, pinned it and let it go. Each worker process has its
-    own copy (the DataLoader pickles this object to it); in the training process itself (no
-    workers) nothing is kept."""
+    busy (shared (workers, slots) uint8, set where the batches are pinned before use): each
+    worker pads its batches into `slots` shared-memory buffers of its own, reused from batch to
+    batch. busy[worker, slot] is 1 from the batch's padding until the pin-memory thread has
+    copied it out (WorkerBatch.pin_memory). A new shared segment a batch cost a third of a
+    worker's time for a batch of PCM, mostly the kernel's zeroing of its pages
+    (docs/PERFORMANCE.md, "The worker's batch in reused shared memory"). Three buffers suffice:
+    the DataLoader asks at most two batches of a worker at a time (its prefetch_factor), and a
+    batch is copied out before the training process takes it. A worker that finds none free
+    (a batch the DataLoader dropped without pinning it, say) pads into a new segment.
 
-    def __init__(self, keep: int = 2) -> None:
+    Without `busy` (batches used where they lie, as with features made on the CPU), every
+    batch gets a new segment, and a worker keeps its last `keep` of them referenced after
+    sending them. Whichever process drops a segment last frees its pages one by one, holding
+    the interpreter's lock while it does: about 30 ms for a 100 MB batch
+    (`bench/worker_handoff.py`). Done in the training process, that stalls the thread that
+    queues the steps. Two suffice, for the same reason as above.
+
+    Each worker process has its own copy (the DataLoader pickles this object to it); in the
+    training process itself (no workers) nothing is kept or reused."""
+
+    def __init__(self, busy: torch.Tensor | None = None, keep: int = 2) -> None:
+        self.busy = busy
+        self.buffers: list[torch.UntypedStorage | None] = (
+            [] if busy is None else [None] * busy.shape[1]
+        )
         self.sent: collections.deque[torch.Tensor] = collections.deque(maxlen=keep)
 
-    def __call__(self, items: list[tuple[int, int, torch.Tensor | str]]):
+    @staticmethod
+    def buffer_flags(workers: int, slots: int = 3) -> torch.Tensor:
+        """The shared busy flags for `workers` workers of `slots` buffers each."""
+        return torch.zeros(workers, slots, dtype=torch.uint8).share_memory_()
+
+    def __call__(self, items: list[tuple[int, int, torch.Tensor | str]]) -> WorkerBatch:
         seed = derive_seed(*(s for _, s, _ in items))
         good = [(i, row) for i, _, row in items if isinstance(row, torch.Tensor)]
         unreadable = [row for _, _, row in items if isinstance(row, str)]
         if not good:
-            return [], seed, None, None, unreadable
+            return WorkerBatch([], seed, None, None, unreadable)
         rows = [row for _, row in good]
         if len({row.dtype for row in rows}) > 1:
             rows = [row.float() / 32768 if row.dtype == torch.int16 else row for row in rows]
-        padded, lens = pad_stack(rows)
-        if self.sent.maxlen and torch.utils.data.get_worker_info() is not None:
-            self.sent.append(padded)
-        return [i for i, _ in good], seed, padded, lens, unreadable
+        indices = [i for i, _ in good]
+        worker = torch.utils.data.get_worker_info()
+        if worker is None:
+            padded, lens = pad_stack(rows)
+            return WorkerBatch(indices, seed, padded, lens, unreadable)
+        if self.busy is None:
+            padded, lens = pad_stack(rows, shared_storage(rows))
+            if self.sent.maxlen:
+                self.sent.append(padded)
+            return WorkerBatch(indices, seed, padded, lens, unreadable)
+        flags = self.busy[worker.id]
+        free = [s for s in range(len(self.buffers)) if not flags[s]]
+        if not free:
+            padded, lens = pad_stack(rows, shared_storage(rows))
+            return WorkerBatch(indices, seed, padded, lens, unreadable)
+        slot = free[0]
+        needed = padded_nbytes(rows)
+        if self.buffers[slot] is None or self.buffers[slot].nbytes() < needed:
+            self.buffers[slot] = torch.UntypedStorage._new_shared(needed)
+        flags[slot] = 1
+        padded, lens = pad_stack(rows, self.buffers[slot])
+        return WorkerBatch(indices, seed, padded, lens, unreadable, self.busy, (worker.id, slot))
 
 
 def worker_processes() -> multiprocessing.context.BaseContext:

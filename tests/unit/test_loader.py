@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import librosa
@@ -532,6 +533,34 @@ def test_queueing_the_training_stage_never_makes_the_host_wait(corpus):
 
 
 @pytest.mark.gpu
+def test_pinned_batches_from_reused_worker_buffers_equal_those_from_new_segments(
+    corpus, monkeypatch
+):
+    """On a GPU the workers pad into buffers that they reuse once the pin-memory thread has
+    copied a batch out. Eight epochs (16 batches, so each of the two workers reuses its three
+    buffers) give the features of a loader whose workers pad into a new segment a batch, bit
+    for bit, and every buffer is free once the workers' read-ahead is pinned."""
+    utts, _, root = corpus
+    cfg = _cfg(device="gpu", num_threads=2)
+    reused = build_loader(cfg, utts, root, train=True, device="cuda")
+    busy = reused.backend.loader.collate_fn.busy
+    assert busy is not None and busy.shape == (2, 3)
+    monkeypatch.setattr(WorkerCollate, "buffer_flags", staticmethod(lambda workers: None))
+    fresh = build_loader(cfg, utts, root, train=True, device="cuda")
+    assert fresh.backend.loader.collate_fn.busy is None
+    for epoch in range(8):
+        for loader in (reused, fresh):
+            loader.set_epoch(epoch)
+        for a, b in zip(_batches(reused), _batches(fresh), strict=True):
+            assert a.utt_ids == b.utt_ids and torch.equal(a.feats, b.feats)
+    # the workers read on into the next epoch: wait until the pin-memory thread has those
+    deadline = time.monotonic() + 30
+    while int(busy.sum()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert int(busy.sum()) == 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_gpu_feature_stage_on_its_side_stream_matches_the_cpu_stage(corpus, prefetch):
     """The batched feature stage runs on a side stream of the GPU; what the consumer reads on
@@ -564,9 +593,9 @@ def test_decode_only_workers_hand_over_pcm_that_the_feature_stage_scales(corpus,
     cfg = _cfg(device="gpu")
     cfg.features.dither = 0.0
     batch = next(iter(build_loader(cfg, utts, root, train=False).loader))
-    assert batch[2].dtype == torch.int16
-    samples, rate = read_audio(audio_path(utts[batch[0][0]], root))
-    first = batch[2][:1, : len(samples)]
+    assert batch.padded.dtype == torch.int16
+    samples, rate = read_audio(audio_path(utts[batch.indices[0]], root))
+    first = batch.padded[:1, : len(samples)]
     assert torch.equal(first.float() / 32768, torch.from_numpy(samples)[None])
     extractor = FeatureExtractor(cfg.features, train=False)
     from_pcm, _ = extractor(first, torch.tensor([len(samples)]))
@@ -578,8 +607,8 @@ def test_decode_only_workers_hand_over_pcm_that_the_feature_stage_scales(corpus,
     sf.write(stereo, np.stack([samples, 0.5 * samples], axis=1), rate, subtype="PCM_16")
     two = [utts[0], Utterance("stereo", str(stereo), len(samples) / rate, "x", [1])]
     mixed = next(iter(build_loader(cfg, two, root, train=False).loader))
-    assert mixed[2].dtype == torch.float32
-    rows = dict(zip(mixed[0], mixed[2], strict=True))
+    assert mixed.padded.dtype == torch.float32
+    rows = dict(zip(mixed.indices, mixed.padded, strict=True))
     assert torch.allclose(rows[1][: len(samples)], torch.from_numpy(0.75 * samples), atol=1e-4)
 
 
@@ -602,25 +631,117 @@ def test_batch_assembler_pads_each_rows_tokens_in_order():
     assert torch.equal(empty.tokens, torch.zeros(2, 1, dtype=torch.int64))
 
 
-def test_a_worker_keeps_its_last_two_padded_batches_after_sending_them(monkeypatch):
-    """The collate pads the rows and seeds the batch; in a worker process it also keeps the
-    last two padded batches referenced, so that the worker, not the training process, frees
-    their shared memory (bench/worker_handoff.py). Outside a worker it keeps nothing."""
+def _rows(k: int) -> list:
+    """Collate items: utterances 2k and 2k + 1 with rows of 3 + k and 2 samples, and one
+    unreadable file."""
+    rows = [torch.full((3 + k,), k + 1, dtype=torch.int16), torch.ones(2, dtype=torch.int16)]
+    return [(2 * k, 7 + k, rows[0]), (2 * k + 1, 9, rows[1]), (99, 5, "x.wav: unreadable")]
+
+
+class _InWorker:
+    id = 1
+
+
+def test_the_collate_pads_seeds_and_names_the_unreadable_in_the_training_process():
+    batch = WorkerCollate(WorkerCollate.buffer_flags(2))(_rows(0))
+    assert batch.indices == [0, 1] and batch.seed == derive_seed(7, 9, 5)
+    assert batch.padded.tolist() == [[1, 1, 1], [1, 1, 0]] and batch.lens.tolist() == [3, 2]
+    assert batch.unreadable == ["x.wav: unreadable"]
+    assert batch.slot is None and not batch.padded.is_shared()  # no worker: nothing reused
+
+
+def test_a_worker_pads_into_its_own_buffers_and_reuses_each_once_released(monkeypatch):
+    """Worker 1 of two, three buffers: each batch lies in a free buffer of that worker's, marked
+    busy until released (after the pin-memory thread's copy). A released buffer takes a later,
+    shorter batch, whose padding is zeroed over the earlier batch's samples; with all three
+    busy, the batch goes to a new segment and no buffer is touched."""
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: _InWorker())
+    busy = WorkerCollate.buffer_flags(2)
+    collate = WorkerCollate(busy)
+    long, mid, short = collate(_rows(4)), collate(_rows(2)), collate(_rows(1))
+    assert [b.slot for b in (long, mid, short)] == [(1, 0), (1, 1), (1, 2)]
+    assert busy.tolist() == [[0, 0, 0], [1, 1, 1]]
+    assert all(b.padded.is_shared() for b in (long, mid, short))
+    buffers = [b.padded.untyped_storage().data_ptr() for b in (long, mid, short)]
+
+    overflow = collate(_rows(0))
+    assert overflow.slot is None and overflow.padded.is_shared()
+    assert overflow.padded.untyped_storage().data_ptr() not in buffers
+    assert long.padded.tolist() == [[5] * 7, [1, 1, 0, 0, 0, 0, 0]]  # untouched
+
+    long.release()
+    assert busy.tolist() == [[0, 0, 0], [0, 1, 1]] and long.slot is None
+    again = collate(_rows(0))
+    assert again.slot == (1, 0) and again.padded.untyped_storage().data_ptr() == buffers[0]
+    assert again.padded.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert again.lens.tolist() == [3, 2]
+
+
+def test_a_buffer_too_small_for_a_batch_is_replaced(monkeypatch):
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: _InWorker())
+    collate = WorkerCollate(WorkerCollate.buffer_flags(2, slots=1))
+    short = collate(_rows(0))
+    short.release()
+    long = collate(_rows(5))
+    assert long.slot == (1, 0) and long.padded.tolist() == [[6] * 8, [1, 1] + [0] * 6]
+    assert long.padded.untyped_storage().nbytes() == 2 * 8 * 2
+
+
+def test_without_buffer_flags_a_worker_keeps_its_last_two_batches_after_sending_them(
+    monkeypatch,
+):
+    """Batches used where they lie (features made on the CPU) get a new shared segment each,
+    and the worker keeps the last two referenced, so that it, not the training process, frees
+    their shared memory (bench/worker_handoff.py)."""
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: _InWorker())
     collate = WorkerCollate()
-
-    def items(k: int) -> list:
-        rows = [torch.full((3 + k,), k, dtype=torch.int16), torch.ones(2, dtype=torch.int16)]
-        return [(2 * k, 7 + k, rows[0]), (2 * k + 1, 9, rows[1]), (99, 5, "x.wav: unreadable")]
-
-    indices, seed, padded, lens, unreadable = collate(items(0))
-    assert indices == [0, 1] and seed == derive_seed(7, 9, 5)
-    assert padded.tolist() == [[0, 0, 0], [1, 1, 0]] and lens.tolist() == [3, 2]
-    assert unreadable == ["x.wav: unreadable"]
-    assert len(collate.sent) == 0  # the training process itself (no workers)
-
-    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
-    sent = [collate(items(k))[2] for k in range(3)]
+    sent = [collate(_rows(k)).padded for k in range(3)]
+    assert all(t.is_shared() for t in sent)
     assert [t is s for t, s in zip(collate.sent, sent[1:], strict=True)] == [True, True]
     none_kept = WorkerCollate(keep=0)
-    none_kept(items(0))
+    none_kept(_rows(0))
     assert len(none_kept.sent) == 0
+
+
+def _ragged_items(batch_no: int) -> list:
+    generator = torch.Generator().manual_seed(batch_no)
+    lengths = torch.randint(1, 400, (5,), generator=generator).tolist()
+    return [
+        (i, batch_no, torch.randint(-3000, 3000, (n,), generator=generator, dtype=torch.int16))
+        for i, n in enumerate(lengths)
+    ]
+
+
+class _RaggedBatches(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, key):
+        batch_no, slot = key
+        return _ragged_items(batch_no)[slot]
+
+
+def test_batches_from_reused_buffers_equal_freshly_padded_ones_through_real_workers():
+    """Two worker processes, started as the loader starts them, pad 40 ragged batches into
+    their reused buffers while the training process reads and releases each in turn: every
+    batch equals the same rows padded anew, padding zeros included, and every buffer is free
+    at the end."""
+    from torch.utils.data import DataLoader
+
+    from rnnt.data.loader import pad_stack, worker_processes
+
+    busy = WorkerCollate.buffer_flags(2)
+    loader = DataLoader(
+        _RaggedBatches(),
+        batch_sampler=[[(b, slot) for slot in range(5)] for b in range(40)],
+        num_workers=2,
+        collate_fn=WorkerCollate(busy),
+        multiprocessing_context=worker_processes(),
+    )
+    reused = 0
+    for batch_no, batch in enumerate(loader):
+        want, lens = pad_stack([row for _, _, row in _ragged_items(batch_no)])
+        assert torch.equal(batch.padded, want) and torch.equal(batch.lens, lens)
+        reused += batch.slot is not None
+        batch.release()
+    assert reused == 40 and int(busy.sum()) == 0
