@@ -471,12 +471,13 @@ class WorkerCollate:
     busy (shared (workers, slots) uint8, set where the batches are pinned before use): each
     worker pads its batches into `slots` shared-memory buffers of its own, reused from batch to
     batch. busy[worker, slot] is 1 from the batch's padding until the pin-memory thread has
-    copied it out (WorkerBatch.pin_memory). A new shared segment a batch cost a third of a
-    worker's time for a batch of PCM, mostly the kernel's zeroing of its pages
-    (docs/PERFORMANCE.md, "The worker's batch in reused shared memory"). Three buffers suffice:
-    the DataLoader asks at most two batches of a worker at a time (its prefetch_factor), and a
-    batch is copied out before the training process takes it. A worker that finds none free
-    (a batch the DataLoader dropped without pinning it, say) pads into a new segment.
+    copied it out (WorkerBatch.pin_memory). Making and first touching a new shared segment a
+    batch took about three quarters of a worker's CPU for a batch of PCM (94-105 against
+    23-30 ms on a 2-core VM, docs/PERFORMANCE.md, "The worker's batch in reused shared
+    memory"). Three buffers should suffice: the DataLoader asks at most two batches of a
+    worker at a time (its prefetch_factor), and a batch is copied out before the training
+    process takes it. A worker that finds none free (a batch the DataLoader dropped without
+    pinning it, say) pads into a new segment.
 
     Without `busy` (batches used where they lie, as with features made on the CPU), every
     batch gets a new segment, and a worker keeps its last `keep` of them referenced after

@@ -319,7 +319,18 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("cwd", ["outside both", "the first checkout"])
+@pytest.mark.parametrize(
+    "cwd",
+    [
+        "outside both",
+        pytest.param(
+            "the first checkout",
+            marks=pytest.mark.skipif(
+                sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's"
+            ),
+        ),
+    ],
+)
 def test_workers_run_the_loader_of_the_trainer_that_started_them(tmp_path, cwd):
     """A trainer run from a second checkout, with the first one on PYTHONPATH (or installed),
     from outside both or from the first checkout's root (as bench/gpu_session.sh runs an
