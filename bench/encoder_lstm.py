@@ -7,8 +7,8 @@ Per stack at the benchmark's shapes (fp16, dropout 0.1, batch 192): the pre-RNN 
 (3 layers, 2048 inputs, 245 frames). `cudnn` is what `model.encoder_lstm: cudnn` runs (one
 multi-layer nn.LSTM + output dropout); `wave F/B` is `model.encoder_lstm: wave` with forward
 variant F and backward variant B (csrc/lstm_wave_sm90.cu: kFwdVariants, kBwdVariants; 0 without
-and 1 with programmatic dependent launch, 2 as 1 with L2 eviction priorities on the TMA copies),
-all of them, so the defaults in
+and 1 with programmatic dependent launch, 2 as 1 with L2 eviction priorities on the TMA copies,
+3 as 2 with each MMA split on the batch rows' halves), all of them, so the defaults in
 rnnt/kernels/lstm_wave.py can be chosen from one run. Each row is
 captured in a CUDA graph and timed with CUDA events; medians over --repeats replays. Before
 timing, each wave variant's output and gradients are checked against the first one's.

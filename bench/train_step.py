@@ -16,6 +16,8 @@ product timed in the same run (`rnnt.flops` counts the FLOPs from each utterance
 `--checkpoint-cost` times a full checkpoint of the trained state: the part a background save
 blocks training for, and the write. Under torchrun every rank runs its steps (batch sizes are
 per GPU) and rank 0 reports: its step time includes waiting for the collectives.
+`--wave-variants F B` runs the wave LSTM kernels' launch variants F and B instead of the defaults:
+a kernel change timed in the real step, against the defaults in the same call.
 With several ranks it also reports the exposed communication: the time, per step, during
 which the compute stream waits for the gradients' reduce-scatter (what the backward did not
 hide) and for the weights' all-gather, from CUDA events recorded by the optimizer.
@@ -47,6 +49,7 @@ import torch
 from rnnt.config import LENGTHS_DIR, add_override_arg, load_config
 from rnnt.data.batch import FeatureBatch
 from rnnt.distributed import DistContext, init_distributed, shutdown
+from rnnt.kernels import lstm_wave
 from rnnt.optim.schedule import lr_at
 from rnnt.throughput import StepParts
 from rnnt.trainer import Trainer
@@ -278,6 +281,15 @@ def main(argv: list[str] | None = None) -> int:
         help="every utterance at the table's mean duration and token count (no padding)",
     )
     parser.add_argument(
+        "--wave-variants",
+        type=int,
+        nargs=2,
+        metavar=("FORWARD", "BACKWARD"),
+        default=None,
+        help="the wave kernels' launch variants (rnnt/kernels/lstm_wave.py: FORWARD_VARIANT), "
+        "to time one against another in the real Trainer",
+    )
+    parser.add_argument(
         "--checkpoint-cost",
         action="store_true",
         help="also time a full checkpoint of the trained state (background and total)",
@@ -293,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
 
+    if args.wave_variants is not None:
+        lstm_wave.use_variants(*args.wave_variants)
     peak = matmul_peak_flops(ctx.device)
     rows = []
     for batch_size in args.batch_sizes:
@@ -313,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "lengths_tsv": args.lengths_tsv,
             "average_lengths": args.average_lengths,
+            "wave_variants": args.wave_variants,
             "matmul_peak_tflops": peak / 1e12,
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

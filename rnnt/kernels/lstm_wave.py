@@ -31,7 +31,6 @@ computes.
 from __future__ import annotations
 
 import ctypes
-import functools
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,8 +52,9 @@ BATCH_MULTIPLE = 192  # the backward's clusters pair two 96-row batch tiles
 BATCH_TILE = 96
 INPUT_MULTIPLE = 64  # one K stage of the kernels
 # launch variants (csrc: kFwdVariants, kBwdVariants: 0 without, 1 with programmatic dependent
-# launch, 2 as 1 with L2 eviction priorities on the TMA copies); bench/encoder_lstm.py times them
-# all, and checks that they give the same bits
+# launch, 2 as 1 with L2 eviction priorities on the TMA copies, 3 as 2 with every MMA split in
+# two accumulation chains); bench/encoder_lstm.py times them all, and checks that they give the
+# same bits
 FORWARD_VARIANT = 2
 BACKWARD_VARIANT = 2
 N_FACTORS = 6
@@ -423,9 +423,26 @@ def unsupported(device: torch.device, hidden: int, n_layers: int) -> str | None:
     return None
 
 
-@functools.cache
+_default_kernels: list[CudaKernels] = []  # the one lstm_stack runs when given none
+
+
 def _cuda_kernels() -> CudaKernels:
-    return CudaKernels()
+    if not _default_kernels:
+        _default_kernels.append(CudaKernels())
+    return _default_kernels[0]
+
+
+def use_variants(forward: int, backward: int) -> None:
+    """Makes lstm_stack run launch variants `forward` and `backward` (see FORWARD_VARIANT)
+    wherever no `kernels` is passed: how bench/train_step.py times them in the real Trainer."""
+    lib = library()
+    for name, variant, count in (
+        ("forward", forward, lib.wave_lstm_variants(0)),
+        ("backward", backward, lib.wave_lstm_variants(1)),
+    ):
+        if not 0 <= variant < count:
+            raise ValueError(f"no {name} wave variant {variant}: the kernels have 0 to {count - 1}")
+    _default_kernels[:] = [CudaKernels(forward, backward)]
 
 
 # ----------------------------------------------------------------------------------------------
