@@ -9,7 +9,8 @@
 #   bash bench/gpu_session.sh loss        # bench/joint_loss.py (issue: fused joint + loss)
 #   bash bench/gpu_session.sh step        # bench/train_step.py eager vs graphs, wave vs cuDNN LSTM
 #   bash bench/gpu_session.sh lstm        # bench/encoder_lstm.py: cuDNN vs the wave kernels per stack;
-#                                         # bench/wave_tile_skip.py: what per-tile skipping saves
+#                                         # bench/wave_tile_skip.py: what per-tile skipping saves;
+#                                         # bench/wave_anatomy.py: where a wave step's time goes
 #   bash bench/gpu_session.sh features    # bench/feature_stage.py: the feature stage and its kernels
 #   bash bench/gpu_session.sh decode      # bench/decode.py, all decoder modes
 #   bash bench/gpu_session.sh train       # train.py on synthetic batches: fp16, graphs, cg eval
@@ -232,7 +233,8 @@ case "$phase" in
     fi ;;
   lstm)
     python3 bench/encoder_lstm.py --json "$OUT/encoder_lstm.json" 2>&1 | tee "$OUT/encoder_lstm.log"
-    python3 bench/wave_tile_skip.py --json "$OUT/wave_tile_skip.json" 2>&1 | tee "$OUT/wave_tile_skip.log" ;;
+    python3 bench/wave_tile_skip.py --json "$OUT/wave_tile_skip.json" 2>&1 | tee "$OUT/wave_tile_skip.log"
+    python3 bench/wave_anatomy.py --json "$OUT/wave_anatomy.json" 2>&1 | tee "$OUT/wave_anatomy.log" ;;
   features)
     python3 bench/feature_stage.py 2>&1 | tee "$OUT/feature_stage.log" ;;
   decode)

@@ -46,18 +46,39 @@ def per_tile_source(source: str) -> str:
     return source.replace(BATCH_COUNT, TILE_COUNT)
 
 
-def per_tile_kernels(build_dir: Path) -> lstm_wave.CudaKernels:
-    """CudaKernels over the per-tile copy, built beside its headers in build_dir."""
+def kernels_from_source(source: str, build_dir: Path) -> lstm_wave.CudaKernels:
+    """CudaKernels (default variants) over a copy of the kernels' source with the text
+    `source`, built beside copies of its headers in build_dir."""
+    build_dir.mkdir(parents=True, exist_ok=True)
     for path in lstm_wave.SOURCE.parent.glob("*.cuh"):
         (build_dir / path.name).write_text(path.read_text())
     patched = build_dir / lstm_wave.SOURCE.name
-    patched.write_text(per_tile_source(lstm_wave.SOURCE.read_text()))
+    patched.write_text(source)
     shipped = lstm_wave.SOURCE
     lstm_wave.SOURCE = patched  # library() builds and types whatever SOURCE names
     try:
         return lstm_wave.CudaKernels()
     finally:
         lstm_wave.SOURCE = shipped
+
+
+def hopper_device(parser: argparse.ArgumentParser) -> torch.device:
+    """The GPU, or the parser's error where the wave kernels cannot run."""
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    device = torch.device("cuda")
+    reason = lstm_wave.unsupported(device, lstm_wave.HIDDEN, 3)
+    if reason:
+        parser.error(f"the wave kernels cannot run here: {reason}")
+    return device
+
+
+def write_results(path: str | None, device: torch.device, results: list[dict]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(
+            json.dumps({"device": torch.cuda.get_device_name(device), "results": results}, indent=1)
+        )
 
 
 def stack_buffers(k_in: int, n_layers: int, steps: int, device: torch.device) -> dict:
@@ -129,16 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA device")
-    device = torch.device("cuda")
-    reason = lstm_wave.unsupported(device, lstm_wave.HIDDEN, 3)
-    if reason:
-        parser.error(f"the wave kernels cannot run here: {reason}")
+    device = hopper_device(parser)
     torch.manual_seed(0)
     results = []
     with tempfile.TemporaryDirectory() as build_dir:
-        kernels = per_tile_kernels(Path(build_dir))
+        source = per_tile_source(lstm_wave.SOURCE.read_text())
+        kernels = kernels_from_source(source, Path(build_dir))
         print(f"{torch.cuda.get_device_name(device)}, batch {BATCH} (two 96-row tiles), fp16")
         for name, (k_in, n_layers, steps) in STACKS.items():
             buffers = stack_buffers(k_in, n_layers, steps, device)
@@ -151,11 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(
                     {"stack": name, "steps": steps, "case": case, "active": counts, "ms": ms}
                 )
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(
-            json.dumps({"device": torch.cuda.get_device_name(device), "results": results}, indent=1)
-        )
+    write_results(args.json, device, results)
     return 0
 
 

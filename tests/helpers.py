@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from rnnt.config import ModelConfig
@@ -113,3 +116,21 @@ def diagonal_major(skew_blank, skew_label, lp_blank, lp_label, lens, layout):
         cell = first + (t + 1 + u) * width + u  # (t + 1, u); (t, u + 1) is cell + 1
         skew_blank[cell] = lp_blank[b, :t_len, : u_len + 1]
         skew_label[cell[:, :u_len] + 1] = lp_label[b, :t_len, :u_len]
+
+
+def hopper_bench_results(repo_root: Path, script: str, out: Path, *args: str) -> list[dict]:
+    """The "results" that bench/`script` writes to `out` (--json) on a Hopper GPU, run with
+    `args`; skips the calling test where the wave kernels cannot run."""
+    from rnnt.kernels import lstm_wave
+
+    if not torch.cuda.is_available() or lstm_wave.unsupported(torch.device("cuda"), 1024, 3):
+        pytest.skip("needs a Hopper GPU")
+    done = subprocess.run(
+        [sys.executable, f"bench/{script}", *args, "--json", str(out)],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(out.read_text())["results"]

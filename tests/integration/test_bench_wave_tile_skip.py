@@ -3,14 +3,12 @@ forward (one padding test, after the tile index it reads is known), and on a Hop
 benchmark runs and times every case."""
 
 import importlib.util
-import json
 import re
-import subprocess
-import sys
 
 import pytest
 
 from rnnt.kernels import lstm_wave
+from tests.helpers import hopper_bench_results
 
 
 @pytest.fixture
@@ -38,20 +36,8 @@ def test_the_per_tile_copy_changes_only_the_forwards_padding_test(bench):
 
 @pytest.mark.gpu
 def test_the_benchmark_times_every_case_on_a_hopper_gpu(repo_root, tmp_path):
-    import torch
-
-    if not torch.cuda.is_available() or lstm_wave.unsupported(torch.device("cuda"), 1024, 3):
-        pytest.skip("needs a Hopper GPU")
     out = tmp_path / "tiles.json"
-    done = subprocess.run(
-        [sys.executable, "bench/wave_tile_skip.py", "--repeats", "2", "--json", str(out)],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    results = json.loads(out.read_text())["results"]
+    results = hopper_bench_results(repo_root, "wave_tile_skip.py", out, "--repeats", "2")
     assert len(results) == 2 * 7 and all(r["ms"] > 0 for r in results)
     empty = {r["stack"]: r["ms"] for r in results if r["case"] == "both empty"}
     full = {r["stack"]: r["ms"] for r in results if r["case"] == "both tiles full"}
