@@ -86,13 +86,13 @@ def _threads_cpu_ns(pid: int) -> int | None:
     return total
 
 
-def cpu_seconds() -> float:
-    """CPU time (user + system) of this process and every live process under it: from the
-    scheduler's nanosecond counts of their threads, or else from /proc/PID/stat, whose clock
-    ticks (10 ms) would read a short window's time as nothing."""
+def cpu_seconds(root: int | None = None) -> float:
+    """CPU time (user + system) of process `root` (this one by default) and every live process
+    under it: from the scheduler's nanosecond counts of their threads, or else from
+    /proc/PID/stat, whose clock ticks (10 ms) would read a short window's time as nothing."""
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0.0
-    for pid in _descendants(os.getpid()):
+    for pid in _descendants(os.getpid() if root is None else root):
         ns = _threads_cpu_ns(pid)
         if ns is not None:
             total += ns / 1e9

@@ -23,7 +23,6 @@ the batches). No GPU is needed.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import threading
@@ -33,7 +32,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from rnnt.data.loader import WorkerCollate, worker_processes
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data_pipeline import cpu_seconds  # noqa: E402
+
+from rnnt.data.loader import WorkerCollate, worker_processes  # noqa: E402
 
 
 class NoiseRows(Dataset):
@@ -75,12 +77,6 @@ class Ticker:
         time.sleep(seconds)
         self.go.clear()
         return (self.count - start) / seconds
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU time of process `pid`, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 ARMS = {
