@@ -50,6 +50,7 @@ from rnnt.config import LENGTHS_DIR, add_override_arg, load_config
 from rnnt.data.batch import FeatureBatch
 from rnnt.distributed import DistContext, init_distributed, shutdown
 from rnnt.kernels import lstm_wave
+from rnnt.kernels.cuda_build import BuildError
 from rnnt.optim.schedule import lr_at
 from rnnt.throughput import StepParts
 from rnnt.trainer import Trainer
@@ -306,7 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be >= 1 and --warmup >= 0")
 
     if args.wave_variants is not None:
-        lstm_wave.use_variants(*args.wave_variants)
+        try:
+            lstm_wave.use_variants(*args.wave_variants)
+        except (ValueError, BuildError) as e:
+            parser.error(f"--wave-variants: {e}")
     peak = matmul_peak_flops(ctx.device)
     rows = []
     for batch_size in args.batch_sizes:

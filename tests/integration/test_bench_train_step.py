@@ -56,3 +56,13 @@ def test_bench_counts_every_micro_batch_of_a_step(repo_root, tmp_path):
     (row,) = json.loads(out.read_text())["results"]
     assert row["grad_accumulation"] == 2
     assert abs(row["utts_per_s"] - 8 / (row["median_step_ms"] * 1e-3)) < 1e-6 * row["utts_per_s"]
+
+
+def test_an_unknown_wave_variant_is_one_line_before_any_step(repo_root):
+    cmd = [sys.executable, "bench/train_step.py", "--device", "cpu", "--wave-variants", "2", "99"]
+    proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    # with nvcc the library names the variants it has; without, why it cannot be built
+    assert last.startswith("train_step.py: error: --wave-variants: ")
+    assert "Traceback" not in proc.stderr
