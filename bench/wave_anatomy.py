@@ -33,7 +33,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# a sibling script's helpers: run as a script this folder is on the path already; imported
+# (the tests) it is added last, where its modules shadow nothing
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
 from wave_tile_skip import (  # noqa: E402
     BATCH,
     STACKS,

@@ -32,7 +32,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# a sibling script's helpers: run as a script this folder is on the path already; imported
+# (the tests) it is added last, where its modules shadow nothing
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
 from data_pipeline import cpu_seconds  # noqa: E402
 
 from rnnt.data.loader import WorkerCollate, worker_processes  # noqa: E402

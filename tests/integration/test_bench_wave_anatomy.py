@@ -1,46 +1,35 @@
 """bench/wave_anatomy.py: each ablated copy of the wave kernels patches the shipped source at one
 place per patch and still builds, and on a Hopper GPU the benchmark times every case."""
 
-import importlib.util
-
 import pytest
 
+from bench import wave_anatomy
 from rnnt.kernels import cuda_build, lstm_wave
 from tests.helpers import hopper_bench_results
 
 
-@pytest.fixture
-def bench(repo_root):
-    spec = importlib.util.spec_from_file_location(
-        "wave_anatomy", repo_root / "bench/wave_anatomy.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_each_ablation_patches_the_shipped_kernels_once_and_only_once(bench):
+def test_each_ablation_patches_the_shipped_kernels_once_and_only_once():
     shipped = lstm_wave.SOURCE.read_text()
-    for ablation, patches in bench.ABLATIONS.items():
-        patched = bench.ablated_source(shipped, ablation)
+    for ablation, patches in wave_anatomy.ABLATIONS.items():
+        patched = wave_anatomy.ablated_source(shipped, ablation)
         grown = sum(len(new) - len(old) for old, new in patches)
         assert len(patched) - len(shipped) == grown
         for old, new in patches:
             assert old not in patched and patched.count(new) == 1
         with pytest.raises(ValueError, match=f"{ablation!r}: expected one"):
-            bench.ablated_source(patched, ablation)
+            wave_anatomy.ablated_source(patched, ablation)
     # one patch per kernel: the forward's and the backward's mainloop, and their epilogues
-    assert all(len(patches) == 2 for patches in bench.ABLATIONS.values())
+    assert all(len(patches) == 2 for patches in wave_anatomy.ABLATIONS.values())
 
 
 @pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="needs nvcc")
-def test_every_ablated_copy_builds(bench, tmp_path, monkeypatch):
+def test_every_ablated_copy_builds(tmp_path, monkeypatch):
     monkeypatch.setenv(cuda_build.CACHE_ENV, str(tmp_path / "cache"))
     cuda_build.load.cache_clear()
     shipped = lstm_wave.SOURCE
     try:
-        for ablation in bench.ABLATIONS:
-            kernels = bench.ablated_kernels(ablation, tmp_path / ablation.replace(" ", "_"))
+        for ablation in wave_anatomy.ABLATIONS:
+            kernels = wave_anatomy.ablated_kernels(ablation, tmp_path / ablation.replace(" ", "_"))
             assert kernels.lib.wave_lstm_variants(1) == lstm_wave.library().wave_lstm_variants(1)
             assert lstm_wave.SOURCE == shipped
     finally:
