@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-# a sibling script's helpers: run as a script this folder is on the path already; imported
-# (the tests) it is added last, where its modules shadow nothing
+# a sibling script's helpers: run as a script, this folder is first on the path; imported by a
+# test, it is added last, where its modules shadow nothing
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
 from wave_tile_skip import (  # noqa: E402

@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-# a sibling script's helpers: run as a script this folder is on the path already; imported
-# (the tests) it is added last, where its modules shadow nothing
+# a sibling script's helpers: run as a script, this folder is first on the path; imported by a
+# test, or run again by a loader worker (whose server starts without the script's folder on its
+# path), it is added last, where its modules shadow nothing
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
 from data_pipeline import cpu_seconds  # noqa: E402

@@ -820,7 +820,7 @@ constexpr int kMaxDevices = 64;
 // one ends (no programmatic dependent launch): the A/B references of bench/encoder_lstm.py.
 // Variant 3 is 2 with each MMA split on the batch rows' halves (SPLIT_N), the same bits: a single
 // consumer warp group's accumulators form one dependent chain of MMAs per 64 rows, and the
-// backward's, 64 stages of one chain, may wait on it (not measured yet).
+// backward's 64 stages of one chain would wait on it where an MMA waits for the one before.
 // Measured and dropped (docs/PERFORMANCE.md): 128-wide forward stages, clusters of two
 // multicasting W's tile, and backward rings 9 or 10 deep.
 struct FwdVariant { void (*kernel)(fwd::Params); int ring; bool pdl; };
