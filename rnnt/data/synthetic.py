@@ -128,6 +128,15 @@ def tokenizer_for_lengths_table(
     return Tokenizer(model)
 
 
+def perturbed_frames(
+    durations: np.ndarray, speeds: np.ndarray, features: FeaturesConfig
+) -> np.ndarray:
+    """Raw STFT frames of clips of `durations` seconds resampled for speed rates `speeds`."""
+    hop = round(features.window_stride * features.sample_rate)
+    samples = np.rint(durations * features.sample_rate)
+    return (np.rint(samples / speeds).astype(np.int64) // hop) + 1
+
+
 def _derived_seed(*parts: int) -> int:
     return int(np.random.SeedSequence(parts).generate_state(1, dtype=np.uint64)[0] >> 1)
 
@@ -181,7 +190,6 @@ class SyntheticFeatureSource:
                 f"{features.speed_perturbation_max}: need 0 < min <= max"
             )
         self.features = features
-        self.hop = round(features.window_stride * features.sample_rate)
         self.train = train
         self.seed = seed
         self.rank = rank
@@ -207,8 +215,7 @@ class SyntheticFeatureSource:
 
     def frames(self, durations: np.ndarray, speeds: np.ndarray) -> np.ndarray:
         """Raw 10 ms frames of clips of `durations` seconds played at rates `speeds`."""
-        samples = np.rint(durations * self.features.sample_rate)
-        return (np.rint(samples / speeds).astype(np.int64) // self.hop) + 1
+        return perturbed_frames(durations, speeds, self.features)
 
     def _index_batches(self, epoch: int, start: int) -> Iterator[list[int]]:
         # an epoch longer than one pass takes sampler epochs of its own, never its neighbour's
