@@ -449,15 +449,30 @@ def use_variants(forward: int, backward: int) -> None:
 # autograd
 
 
+class DenseGemms:
+    """The stack's GEMMs outside the waves over every row, padding included: torch's matmul
+    (cuBLAS on a GPU), and the reference of rnnt.kernels.packed_gemm.PackedGemms."""
+
+    @staticmethod
+    def rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a @ b
+
+    @staticmethod
+    def weight_grad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a.t() @ b
+
+
 class _WaveStack(torch.autograd.Function):
-    """y = stack(x) through a kernels object (TorchKernels or CudaKernels). x (T, B, K) with B a
-    multiple of BATCH_MULTIPLE and K of INPUT_MULTIPLE; weights in x's dtype; `active` None or
-    the steps before the padding (a one-element int32 tensor on x's device)."""
+    """y = stack(x) through a kernels object (TorchKernels or CudaKernels) and a GEMMs object
+    (DenseGemms or PackedGemms). x (T, B, K) with B a multiple of BATCH_MULTIPLE and K of
+    INPUT_MULTIPLE; weights in x's dtype; `active` None or the steps before the padding (a
+    one-element int32 tensor on x's device)."""
 
     @staticmethod
     def forward(
         ctx,
         kernels,
+        gemms,
         p: float,
         seed: torch.Tensor,
         active: torch.Tensor | None,
@@ -488,18 +503,18 @@ class _WaveStack(torch.autograd.Function):
             # The first layer's cells would take the longest K of the stack and set the pace of
             # every launch they share; its input part is one GEMM before the waves instead (as
             # cuDNN does it), and its cells run W_hh alone.
-            x_gates = x_rows @ w[0][:, :k_in].T
+            x_gates = gemms.rows(x_rows, w[0][:, :k_in].T)
             w_run = [w[0][:, k_in:].contiguous(), *w[1:]]
         kernels.forward(x_rows, hseq, yseq, cstate, factors, bias, w_run, p, seed, x_gates, active)
         ctx.active = active  # not saved with the tensors: None is a valid value
         ctx.save_for_backward(seed, x_rows, *w, *hseq, *yseq[:-1], *factors)
-        ctx.meta = (kernels, p, steps, batch, k_in, n_layers, hidden)
+        ctx.meta = (kernels, gemms, p, steps, batch, k_in, n_layers, hidden)
         return yseq[-1].view(steps, batch, hidden)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y: torch.Tensor):
-        kernels, p, steps, batch, k_in, n_layers, hidden = ctx.meta
+        kernels, gemms, p, steps, batch, k_in, n_layers, hidden = ctx.meta
         seed, x_rows, *rest = ctx.saved_tensors
         w = rest[:n_layers]
         hseq = rest[n_layers : 2 * n_layers]
@@ -521,18 +536,17 @@ class _WaveStack(torch.autograd.Function):
         grads = []
         for layer in range(n_layers):
             inp = x_rows if layer == 0 else yseq[layer - 1]
-            d_gates_t = dz[layer].t()
             grad_bias = dbias[layer].sum(0)[inverse].to(dtype)
             grads += [
-                (d_gates_t @ inp)[inverse],
-                (d_gates_t @ hseq[layer][:rows])[inverse],
+                gemms.weight_grad(dz[layer], inp)[inverse],
+                gemms.weight_grad(dz[layer], hseq[layer][:rows])[inverse],
                 grad_bias,
                 grad_bias,
             ]
         grad_x = None
-        if ctx.needs_input_grad[4]:
-            grad_x = (dz[0] @ w[0][:, :k_in]).view(steps, batch, k_in)
-        return (None, None, None, None, grad_x, *grads)
+        if ctx.needs_input_grad[5]:
+            grad_x = gemms.rows(dz[0], w[0][:, :k_in]).view(steps, batch, k_in)
+        return (None, None, None, None, None, grad_x, *grads)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -546,6 +560,7 @@ def lstm_stack(
     seed: torch.Tensor | None = None,
     kernels: CudaKernels | TorchKernels | None = None,
     lengths: torch.Tensor | None = None,
+    gemms: str = "dense",
 ) -> torch.Tensor:
     """An LSTM stack with dropout p after every layer, zero initial state: x (T, B, K) ->
     (T, B, H). By default the CUDA kernels on a GPU (fp16; an error says why where they cannot
@@ -556,7 +571,13 @@ def lstm_stack(
     batch is padded to a multiple of 192 and the first layer's input to a multiple of 64
     features, invisibly to the caller. `lengths` (B,): where given, the steps at and past the
     longest are padding: skipped, with zero outputs (no host sync: the count stays on the
-    device)."""
+    device). `gemms`: "dense" runs the GEMMs outside the waves (the first layer's input, the
+    weight and input gradients) over every row with torch's matmul; "packed" skips each row's
+    padding past its own length in them (rnnt.kernels.packed_gemm: needs `lengths`, and pays
+    when the rows are ordered by length). Packed assumes what the model gives: an output
+    gradient that is zero at every row's padding, so the gate gradients are zero there too.
+    The outputs at real frames and the gradients are then the same either way, to rounding;
+    at the padding, dense computes whatever the padding gives and packed may give zeros."""
     if seed is None and p > 0:
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=x.device)
     elif seed is None:
@@ -589,6 +610,18 @@ def lstm_stack(
                 f"lstm_stack: lengths must be one per batch row, shape ({batch},), not "
                 f"{tuple(lengths.shape)}"
             )
-        active = lengths.to(x.device).amax().clamp(0, steps).to(torch.int32).reshape(1)
-    y = _WaveStack.apply(kernels, p, seed, active, x, *flat)
+        lengths = lengths.to(x.device)
+        active = lengths.amax().clamp(0, steps).to(torch.int32).reshape(1)
+    if gemms == "dense":
+        stack_gemms = DenseGemms()
+    elif gemms == "packed":
+        if lengths is None:
+            raise ValueError("lstm_stack: gemms='packed' needs the lengths")
+        from rnnt.kernels.packed_gemm import PackedGemms  # Triton: only where it runs
+
+        # the batch's padding rows have no frame at all
+        stack_gemms = PackedGemms(F.pad(lengths, (0, pad_b)), steps)
+    else:
+        raise ValueError(f"lstm_stack: gemms must be 'dense' or 'packed', not {gemms!r}")
+    y = _WaveStack.apply(kernels, stack_gemms, p, seed, active, x, *flat)
     return y[:, :batch] if pad_b else y

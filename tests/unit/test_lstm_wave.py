@@ -11,7 +11,7 @@ from torch import nn
 from rnnt.config import ConfigError
 from rnnt.kernels import cuda_build, lstm_wave
 from rnnt.kernels.lstm_wave import keep_mask, lstm_stack, stack_reference
-from rnnt.model import RNNT
+from rnnt.model import RNNT, resolve_encoder_lstm, resolve_eval_encoder_lstm
 from tests.helpers import tiny_cfg
 
 F64 = torch.float64
@@ -395,6 +395,96 @@ def test_the_wave_stack_refuses_a_state():
 
 
 # ----------------------------------------------------------------------------------------------
+# the GEMMs over real frames (model.encoder_gemms: packed; Triton's interpreter on the CPU)
+
+
+def real_frames(lengths: torch.Tensor, steps: int) -> torch.Tensor:
+    return torch.arange(steps)[:, None] < lengths[None, :]
+
+
+@pytest.mark.parametrize("k_in", [128, 32], ids=["hoisted-input", "input-in-the-cells"])
+def test_packed_gemms_give_the_dense_stacks_outputs_and_gradients(k_in):
+    """A ragged batch of 150 rows (192 inside) in no order, with the output gradient zero at
+    each row's padding, as the model's is: the same outputs at the real frames and the same
+    gradients, to fp32 rounding."""
+    steps, batch, hidden, n_layers, p = 6, 150, 32, 2, 0.2
+    layers = random_stack(k_in, hidden, n_layers, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(steps, batch, k_in, generator=gen, requires_grad=True)
+    lengths = torch.randint(0, steps + 1, (batch,), generator=gen)
+    real = real_frames(lengths, steps)
+    dy = torch.randn(steps, batch, hidden, generator=gen) * real[..., None]
+    runs = []
+    for gemms in ("dense", "packed"):
+        y = lstm_stack(x, layers, p, seed_tensor(3), lengths=lengths, gemms=gemms)
+        runs.append((y, torch.autograd.grad(y, [x, *flat(layers)], dy)))
+    (y_dense, dense), (y_packed, packed) = runs
+    torch.testing.assert_close(y_packed[real], y_dense[real], rtol=1e-5, atol=1e-6)
+    for got, want in zip(packed, dense):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed[0][~real], torch.zeros_like(packed[0][~real]))
+
+
+def test_packed_gemms_need_lengths_and_other_values_are_refused():
+    layers = random_stack(32, 32, 1, dtype=torch.float32)
+    x = torch.randn(3, 4, 32)
+    with pytest.raises(ValueError, match="gemms='packed' needs the lengths"):
+        lstm_stack(x, layers, 0.0, gemms="packed")
+    with pytest.raises(ValueError, match="'dense' or 'packed', not 'fast'"):
+        lstm_stack(x, layers, 0.0, lengths=torch.ones(4), gemms="fast")
+
+
+def test_the_packed_wave_encoder_orders_rows_by_length_and_trains_cudnns_function(monkeypatch):
+    """model.encoder_gemms: packed runs the stacks on the rows sorted longest first and puts f
+    back in the batch's order: f at the real frames and every gradient as nn.LSTM's."""
+    seen = []
+    real_stack = lstm_wave.lstm_stack
+
+    def recorded(x, layers, p, lengths=None, gemms="dense"):
+        seen.append((lengths.tolist(), gemms))
+        return real_stack(x, layers, p, lengths=lengths, gemms=gemms)
+
+    monkeypatch.setattr(lstm_wave, "lstm_stack", recorded)
+    kw = dict(enc_n_hid=32, in_feats=24, enc_dropout=0.0)
+    torch.manual_seed(0)
+    cudnn = RNNT(tiny_cfg(**kw)).train()
+    packed = RNNT(tiny_cfg(encoder_lstm="wave", encoder_gemms="packed", **kw)).train()
+    packed.load_state_dict(cudnn.state_dict())
+    x = torch.randn(11, 5, 24)
+    lens = torch.tensor([4, 11, 9, 1, 9])
+    outs = []
+    for model in (cudnn, packed):
+        f, f_lens = model.encoder(x, lens)
+        real = torch.arange(f.shape[1])[None, :] < f_lens[:, None]
+        f[real].square().sum().backward()
+        outs.append((f[real], f_lens, {n: q.grad for n, q in model.encoder.named_parameters()}))
+    assert seen == [([11, 9, 9, 4, 1], "packed"), ([6, 5, 5, 2, 1], "packed")]
+    (f1, l1, g1), (f2, l2, g2) = outs
+    assert torch.equal(l1, l2)
+    torch.testing.assert_close(f2, f1, rtol=1e-5, atol=1e-6)
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_packed_gemms_need_the_wave_lstm_and_a_place_for_triton(monkeypatch):
+    with pytest.raises(ConfigError, match="model.encoder_gemms: packed applies to the wave"):
+        tiny_cfg(encoder_gemms="packed")  # model.encoder_lstm: cudnn
+    cfg = tiny_cfg(encoder_lstm="wave", encoder_gemms="packed", enc_n_hid=32)
+    cpu = torch.device("cpu")
+    choice, reason = resolve_encoder_lstm(cfg, cpu, 192)
+    assert choice == "wave/packed" and "model.encoder_gemms: packed" in reason
+    assert (
+        resolve_encoder_lstm(tiny_cfg(encoder_lstm="auto", encoder_gemms="packed"), cpu, 192)[0]
+        == "cudnn"
+    )
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ConfigError, match="packed runs Triton kernels, on a CUDA GPU"):
+        resolve_encoder_lstm(cfg, cpu, 192)
+    with pytest.raises(ConfigError, match="packed runs Triton kernels, on a CUDA GPU"):
+        resolve_eval_encoder_lstm("wave", cfg, cpu)
+
+
+# ----------------------------------------------------------------------------------------------
 # the CUDA source (nvcc, no GPU needed) and the kernels (Hopper GPU)
 
 
@@ -717,3 +807,59 @@ def test_gpu_every_variant_is_bitwise_the_same_and_graphs_draw_fresh_masks():
         torch.cuda.synchronize()
         masks.append(out == 0)
     assert not torch.equal(masks[0], masks[1])
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("k_in,n_layers", [(256, 2), (2048, 3)], ids=["pre", "post"])
+def test_gpu_packed_gemms_give_the_dense_stacks_results_and_read_lengths_in_a_graph(k_in, n_layers):
+    """The Triton GEMMs against cuBLAS's on a ragged batch in no order, eager; then captured in
+    a CUDA graph with one batch's lengths and replayed with another's, which must give the
+    eager result for the second (the lengths are read on the device at every replay)."""
+    steps, batch, p = 40, 192, 0.1
+    layers = random_stack(
+        k_in, lstm_wave.HIDDEN, n_layers, dtype=torch.float16, device="cuda", scale=0.03
+    )
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(steps, batch, k_in, device="cuda", dtype=torch.float16, generator=gen)
+    x.requires_grad_()
+    params = [x, *flat(layers)]
+    seed = seed_tensor(4, "cuda")
+
+    def ragged(first):
+        lengths = torch.randint(1, steps + 1, (batch,), device="cuda", generator=gen)
+        lengths[first] = steps
+        real = torch.arange(steps, device="cuda")[:, None] < lengths[None, :]
+        dy = torch.randn(steps, batch, lstm_wave.HIDDEN, device="cuda", generator=gen)
+        return lengths, real, (dy * 0.01 * real[..., None]).half()
+
+    def run(lengths, dy, gemms):
+        y = lstm_stack(x, layers, p, seed, lengths=lengths, gemms=gemms)
+        return y.detach(), *torch.autograd.grad(y, params, dy)
+
+    lengths, real, dy = ragged(17)
+    (y_dense, *dense), (y_packed, *packed) = (run(lengths, dy, g) for g in ("dense", "packed"))
+    err = ((y_packed - y_dense)[real].float().norm() / y_dense[real].float().norm()).item()
+    assert err < 2e-3, err
+    for got, want in zip(packed, dense):
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert err < 5e-3, err
+
+    static_lengths, static_dy = lengths.clone(), dy.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run(static_lengths, static_dy, "packed")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = run(static_lengths, static_dy, "packed")
+    torch.cuda.current_stream().wait_stream(stream)
+    other_lengths, _, other_dy = ragged(150)
+    static_lengths.copy_(other_lengths)
+    static_dy.copy_(other_dy)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = run(other_lengths, other_dy, "packed")
+    for got, want in zip(captured, eager):
+        assert torch.equal(got, want)
