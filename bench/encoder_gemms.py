@@ -1,0 +1,220 @@
+"""The wave stacks' GEMMs outside the waves: over every row of the padded batch
+(`model.encoder_gemms: dense`, cuBLAS) against over each utterance's real frames (`packed`,
+rnnt/kernels/packed_gemm.py).
+
+    python bench/encoder_gemms.py [--batches 4] [--repeats 10] [--grad-rows 64 32] [--json F]
+
+Random training batches of 192 utterances from the shipped LibriSpeech lengths table, with the
+speed perturbation training draws (rnnt.data.synthetic), each padded to its CUDA-graph bucket
+under the baseline config at `--num_cg 4` and ordered by length, as the encoder orders its
+rows. Per batch and stack (pre-RNN: 2 layers, 256 inputs, the batch's spliced frames;
+post-RNN: 3 layers, 2048 inputs, half as many frames), fp16, dropout 0.1:
+- `gemms`: lstm_stack forward + backward with kernels that launch nothing, so that what runs
+  is _WaveStack's own work: the hoisted input GEMM, two weight gradients a layer and the post
+  stack's input gradient, plus the small copies around them (the same in both);
+- `stack`: lstm_stack forward + backward with the wave kernels, what the trainer runs.
+Each case is captured in a CUDA graph and timed with CUDA events (medians of --repeats
+replays); the cases take turns on each batch. Before timing, each packed stack's outputs at the
+real frames and its gradients are checked against dense's. `rows` is the share of the bucket's
+rows that a case's weight gradients read: the real frames' share is what perfect packing would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# a sibling script's helpers: run as a script, this folder is first on the path; imported by a
+# test, it is added last, where its modules shadow nothing
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
+from encoder_lstm import graph_ms  # noqa: E402
+from wave_tile_skip import hopper_device, write_results  # noqa: E402
+
+from rnnt.config import LENGTHS_DIR, load_config  # noqa: E402
+from rnnt.data.augment import spliced_length  # noqa: E402
+from rnnt.data.synthetic import perturbed_frames, read_lengths_table  # noqa: E402
+from rnnt.graphs import BucketTable, bucket_lengths, max_spliced_frames  # noqa: E402
+from rnnt.kernels import lstm_wave, packed_gemm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "baseline_v3-1023sp.yaml"
+STACKS = {"pre": (256, 2), "post": (2048, 3)}  # inputs, layers
+BATCH, NUM_CG, DROPOUT = 192, 4, 0.1
+
+
+class NoWaves:
+    """A kernels object for _WaveStack that launches nothing: its buffers keep whatever they
+    held, which the GEMMs' timing does not depend on."""
+
+    @staticmethod
+    def forward(*args, **kwargs) -> None:
+        pass
+
+    @staticmethod
+    def backward(*args, **kwargs) -> None:
+        pass
+
+
+def training_batches(count: int, seed: int) -> list[tuple[int, np.ndarray]]:
+    """(bucket length, spliced frames per utterance longest first) of `count` random batches."""
+    cfg = load_config(str(CONFIG), [])
+    features = cfg.features
+    table = read_lengths_table(LENGTHS_DIR / "librispeech_train-clean-5_lengths.tsv")
+    durations = table.durations[table.durations <= cfg.data.max_duration]
+    buckets = bucket_lengths(max_spliced_frames(cfg.data.max_duration, features), NUM_CG)
+    table_of = BucketTable(buckets, "bench")
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(count):
+        picked = rng.choice(durations, BATCH, replace=False)
+        speeds = rng.uniform(
+            features.speed_perturbation_min, features.speed_perturbation_max, BATCH
+        )
+        raw = torch.from_numpy(perturbed_frames(picked, speeds, features))
+        frames = spliced_length(raw, features.frame_subsample).numpy()
+        frames = np.sort(frames)[::-1].copy()
+        batches.append((table_of.lengths[table_of(int(frames[0]))], frames))
+    return batches
+
+
+def rows_read(lengths: np.ndarray, steps: int, tile_rows: int | None) -> float:
+    """Share of the (steps x batch) rows a weight gradient reads: every row (None), or the
+    tiles of `tile_rows` batch rows up to their longest frame."""
+    if tile_rows is None:
+        return 1.0
+    longest = np.minimum(lengths.reshape(-1, tile_rows).max(1), steps)
+    return float(longest.sum() * tile_rows) / (steps * lengths.size)
+
+
+def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> list[dict]:
+    k_in, n_layers = STACKS[stack]
+    hidden = lstm_wave.HIDDEN
+    gen = torch.Generator(device=device).manual_seed(0)
+    half = {"device": device, "dtype": torch.float16}
+    layers = [
+        tuple(
+            (torch.randn(*shape, generator=gen, **half) * 0.03).requires_grad_()
+            for shape in (
+                (4 * hidden, k_in if layer == 0 else hidden),
+                (4 * hidden, hidden),
+                (4 * hidden,),
+                (4 * hidden,),
+            )
+        )
+        for layer in range(n_layers)
+    ]
+    lengths = torch.from_numpy(frames).to(device)
+    real = torch.arange(steps, device=device)[:, None] < lengths[None, :]
+    x = torch.randn(steps, BATCH, k_in, generator=gen, **half) * real[..., None]
+    x.requires_grad_(stack == "post")  # the pre-RNN stack's input is the features
+    dy = torch.randn(steps, BATCH, hidden, generator=gen, **half) * 0.01 * real[..., None]
+    params = ([x] if x.requires_grad else []) + [t for w in layers for t in w]
+    seed = torch.tensor([7], dtype=torch.int32, device=device)
+
+    def run(kernels, gemms):
+        def step():
+            for param in params:
+                param.grad = None
+            y = lstm_wave.lstm_stack(
+                x, layers, DROPOUT, seed, kernels=kernels, lengths=lengths, gemms=gemms
+            )
+            y.backward(dy)
+
+        return step
+
+    def outputs(gemms):
+        y = lstm_wave.lstm_stack(x, layers, DROPOUT, seed, lengths=lengths, gemms=gemms)
+        return y.detach()[real], *torch.autograd.grad(y, params, dy)
+
+    cases = [("dense", None)] + [(f"packed, {rows}-row tiles", rows) for rows in args.grad_rows]
+    want = outputs("dense")
+    results = []
+    for name, tile_rows in cases:
+        gemms = "dense" if tile_rows is None else "packed"
+        grad_tile = packed_gemm.GRAD_TILE
+        if tile_rows is not None:
+            packed_gemm.GRAD_TILE = (*grad_tile[:2], tile_rows)
+        try:
+            error = None
+            if tile_rows is not None:
+                got = outputs(gemms)
+                error = max(
+                    ((g.float() - w.float()).norm() / w.float().norm()).item()
+                    for g, w in zip(got, want)
+                )
+            row = {
+                "stack": stack,
+                "steps": steps,
+                "case": name,
+                "rows": rows_read(frames, steps, tile_rows),
+                "real_frames": float(frames.clip(max=steps).sum()) / (steps * BATCH),
+                "max_relative_error": error,
+                "gemms_ms": graph_ms(run(NoWaves(), gemms), args.repeats),
+                "stack_ms": graph_ms(run(None, gemms), args.repeats),  # the default kernels
+            }
+        finally:
+            packed_gemm.GRAD_TILE = grad_tile
+        results.append(row)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, default=4, help="random training batches")
+    parser.add_argument("--repeats", type=int, default=10, help="replays per median")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--grad-rows",
+        type=int,
+        nargs="+",
+        default=[packed_gemm.GRAD_TILE[2]],
+        help="batch rows per tile that the weight gradients skip by (divisors of 192, >= 16)",
+    )
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    bad = [r for r in args.grad_rows if r < 16 or BATCH % r or r & (r - 1)]
+    if bad:
+        parser.error(f"--grad-rows: {bad[0]} is no power of two >= 16 that divides {BATCH}")
+    device = hopper_device(parser)
+    results = []
+    for number, (bucket, frames) in enumerate(training_batches(args.batches, args.seed)):
+        post_frames = (frames + 1) // 2
+        for stack, steps, lengths in (
+            ("pre", bucket, frames),
+            ("post", math.ceil(bucket / 2), post_frames),
+        ):
+            for row in bench_batch(stack, steps, lengths, args, device):
+                results.append({"batch": number, **row})
+    print(f"{torch.cuda.get_device_name(device)}, batch {BATCH}, fp16, medians of {args.repeats}")
+    print(
+        f"{'batch':>5} {'stack':5} {'steps':>5} {'case':22} {'rows':>5} {'real':>5} "
+        f"{'gemms ms':>8} {'stack ms':>8} {'error':>8}"
+    )
+    for r in results:
+        error = "" if r["max_relative_error"] is None else f"{r['max_relative_error']:.1e}"
+        print(
+            f"{r['batch']:5} {r['stack']:5} {r['steps']:5} {r['case']:22} {r['rows']:5.2f} "
+            f"{r['real_frames']:5.2f} {r['gemms_ms']:8.2f} {r['stack_ms']:8.2f} {error:>8}"
+        )
+    for stack in STACKS:
+        for case in dict.fromkeys(r["case"] for r in results):
+            rows = [r for r in results if r["stack"] == stack and r["case"] == case]
+            dense = [r for r in results if r["stack"] == stack and r["case"] == "dense"]
+            ratios = [r["stack_ms"] / d["stack_ms"] for r, d in zip(rows, dense)]
+            print(f"{stack} {case}: stack time / dense, median {statistics.median(ratios):.3f}")
+    write_results(args.json, device, results)
+    failed = [r for r in results if (r["max_relative_error"] or 0) > 2e-2]
+    for r in failed:
+        print(f"packed differs from dense: {r}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

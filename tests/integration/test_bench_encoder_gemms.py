@@ -1,0 +1,61 @@
+"""bench/encoder_gemms.py: the batches it draws are training's, padded to their CUDA-graph
+bucket and ordered by length; its row shares count what each case reads; and on a Hopper GPU it
+checks packed against dense and times both."""
+
+import numpy as np
+import pytest
+
+from bench import encoder_gemms
+from tests.helpers import hopper_bench_results
+
+
+def test_the_batches_are_ordered_longest_first_and_padded_to_the_smallest_bucket():
+    batches = encoder_gemms.training_batches(20, seed=3)
+    for bucket, frames in batches:
+        assert bucket in (656, 492, 328, 164)  # the four at --num_cg 4
+        assert frames.shape == (encoder_gemms.BATCH,)
+        assert np.all(np.diff(frames) <= 0) and frames[-1] >= 1
+        assert bucket - 164 < frames[0] <= bucket
+    # a third of a bucket's rows are padding in random batches
+    shares = [frames.sum() / (bucket * frames.size) for bucket, frames in batches]
+    assert 0.55 < np.mean(shares) < 0.75
+
+
+def test_the_row_shares_count_whole_tiles_up_to_their_longest_frame():
+    lengths = np.array([5, 3, 2, 0])
+    assert encoder_gemms.rows_read(lengths, 6, None) == 1.0
+    assert encoder_gemms.rows_read(lengths, 6, 2) == (5 + 2) * 2 / (6 * 4)
+    assert encoder_gemms.rows_read(np.array([9, 9]), 6, 2) == 1.0  # clamped to the steps
+
+
+def test_grad_rows_that_cannot_tile_the_batch_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        encoder_gemms.main(["--grad-rows", "48"])
+    assert exit_info.value.code == 2
+    assert "--grad-rows: 48 is no power of two >= 16 that divides 192" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_packed_matches_dense_and_both_are_timed_on_a_hopper_gpu(repo_root, tmp_path):
+    out = tmp_path / "gemms.json"
+    results = hopper_bench_results(
+        repo_root,
+        "encoder_gemms.py",
+        out,
+        "--batches",
+        "1",
+        "--repeats",
+        "2",
+        "--grad-rows",
+        "64",
+        "32",
+    )
+    assert len(results) == 2 * 3
+    for stack in ("pre", "post"):
+        rows = {r["case"]: r for r in results if r["stack"] == stack}
+        dense = rows.pop("dense")
+        assert dense["rows"] == 1.0 and dense["gemms_ms"] > 0
+        for packed in rows.values():
+            assert packed["real_frames"] <= packed["rows"] < 1.0
+            assert packed["max_relative_error"] < 2e-2
+            assert packed["gemms_ms"] > 0 and packed["stack_ms"] > 0
