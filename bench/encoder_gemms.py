@@ -13,6 +13,9 @@ post-RNN: 3 layers, 2048 inputs, half as many frames), fp16, dropout 0.1:
   is _WaveStack's own work: the hoisted input GEMM, two weight gradients a layer and the post
   stack's input gradient, plus the small copies around them (the same in both);
 - `stack`: lstm_stack forward + backward with the wave kernels, what the trainer runs.
+With --beside, also the post stack's weight gradients (packed) on a side stream, forked when
+the pre stack's backward starts, on grids of a few programs: whether they hide beside the
+waves, which leave 36 of an H100's or H200's 132 SMs idle.
 Each case is captured in a CUDA graph and timed with CUDA events (medians of --repeats
 replays); the cases take turns on each batch. Before timing, each packed stack's outputs at the
 real frames and its gradients are checked against dense's. `rows` is the share of the bucket's
@@ -93,7 +96,9 @@ def rows_read(lengths: np.ndarray, steps: int, tile_rows: int | None) -> float:
     return float(longest.sum() * tile_rows) / (steps * lengths.size)
 
 
-def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> list[dict]:
+def random_stack(stack: str, steps: int, frames: np.ndarray, device) -> dict:
+    """One stack's fp16 weights, input (zero at the padding, as the encoder's is) and output
+    gradient (zero at the padding, as the loss leaves it), at its real shapes."""
     k_in, n_layers = STACKS[stack]
     hidden = lstm_wave.HIDDEN
     gen = torch.Generator(device=device).manual_seed(0)
@@ -117,21 +122,33 @@ def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> lis
     dy = torch.randn(steps, BATCH, hidden, generator=gen, **half) * 0.01 * real[..., None]
     params = ([x] if x.requires_grad else []) + [t for w in layers for t in w]
     seed = torch.tensor([7], dtype=torch.int32, device=device)
+    return dict(layers=layers, lengths=lengths, real=real, x=x, dy=dy, params=params, seed=seed)
+
+
+def forward(case: dict, kernels=None, gemms: str = "dense") -> torch.Tensor:
+    """lstm_stack on the case's input, `kernels` None for the default wave kernels."""
+    for param in case["params"]:
+        param.grad = None
+    return lstm_wave.lstm_stack(
+        case["x"],
+        case["layers"],
+        DROPOUT,
+        case["seed"],
+        kernels=kernels,
+        lengths=case["lengths"],
+        gemms=gemms,
+    )
+
+
+def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> list[dict]:
+    case = random_stack(stack, steps, frames, device)
 
     def run(kernels, gemms):
-        def step():
-            for param in params:
-                param.grad = None
-            y = lstm_wave.lstm_stack(
-                x, layers, DROPOUT, seed, kernels=kernels, lengths=lengths, gemms=gemms
-            )
-            y.backward(dy)
-
-        return step
+        return lambda: forward(case, kernels, gemms).backward(case["dy"])
 
     def outputs(gemms):
-        y = lstm_wave.lstm_stack(x, layers, DROPOUT, seed, lengths=lengths, gemms=gemms)
-        return y.detach()[real], *torch.autograd.grad(y, params, dy)
+        y = forward(case, None, gemms)
+        return y.detach()[case["real"]], *torch.autograd.grad(y, case["params"], case["dy"])
 
     cases = [("dense", None)] + [(f"packed, {rows}-row tiles", rows) for rows in args.grad_rows]
     want = outputs("dense")
@@ -165,6 +182,68 @@ def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> lis
     return results
 
 
+def bench_beside(bucket: int, frames: np.ndarray, args, device) -> list[dict]:
+    """The post stack's six weight gradients (packed, on grids of --beside programs) on a side
+    stream, forked when the pre stack's backward starts, as the encoder's backward could run
+    them; against each alone. What `beside` saves over the two alone is what overlapping
+    them would."""
+    pre = random_stack("pre", bucket, frames, device)
+    steps = math.ceil(bucket / 2)
+    lengths = torch.from_numpy((frames + 1) // 2).to(device)
+    gemms = packed_gemm.PackedGemms(lengths, steps)
+    gen = torch.Generator(device=device).manual_seed(1)
+    real = (torch.arange(steps, device=device)[:, None] < lengths[None, :]).reshape(-1, 1)
+    rows, hidden = steps * BATCH, lstm_wave.HIDDEN
+
+    def operand(width):
+        return torch.randn(rows, width, generator=gen, device=device, dtype=torch.float16)
+
+    gate_grads = [operand(4 * hidden) * real for _ in range(3)]
+    inputs = [operand(STACKS["post"][0]), operand(hidden), operand(hidden)]
+    states = [operand(hidden) for _ in range(3)]
+    side = torch.cuda.Stream()
+
+    def weight_grads(programs):
+        def run():
+            for layer in range(3):
+                gemms.weight_grad(gate_grads[layer], inputs[layer], programs)
+                gemms.weight_grad(gate_grads[layer], states[layer], programs)
+
+        return run
+
+    def beside(programs):
+        def run():
+            y = forward(pre, None, "packed")
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                weight_grads(programs)()
+            y.backward(pre["dy"])
+            main.wait_stream(side)
+
+        return run
+
+    results = [
+        {
+            "case": "pre stack alone",
+            "ms": graph_ms(lambda: forward(pre, None, "packed").backward(pre["dy"]), args.repeats),
+        }
+    ]
+    for programs in args.beside:
+        label = "full grid" if programs == 0 else f"{programs} programs"
+        cap = None if programs == 0 else programs
+        results.append(
+            {
+                "case": f"post weight grads alone, {label}",
+                "ms": graph_ms(weight_grads(cap), args.repeats),
+            }
+        )
+        results.append(
+            {"case": f"beside the pre stack, {label}", "ms": graph_ms(beside(cap), args.repeats)}
+        )
+    return [{"stack": "pre + post dW", "steps": bucket, **r} for r in results]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=4, help="random training batches")
@@ -177,13 +256,23 @@ def main(argv: list[str] | None = None) -> int:
         default=[packed_gemm.GRAD_TILE[2]],
         help="batch rows per tile that the weight gradients skip by (divisors of 192, >= 16)",
     )
+    parser.add_argument(
+        "--beside",
+        type=int,
+        nargs="*",
+        default=[0, 36, 24],
+        help="also time the post stack's weight gradients on a side stream beside the pre "
+        "stack's backward, on grids of this many programs (0: one per work item)",
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     bad = [r for r in args.grad_rows if r < 16 or BATCH % r or r & (r - 1)]
     if bad:
         parser.error(f"--grad-rows: {bad[0]} is no power of two >= 16 that divides {BATCH}")
+    if any(programs < 0 for programs in args.beside):
+        parser.error("--beside: grids of 0 (one program per work item) or more programs")
     device = hopper_device(parser)
-    results = []
+    results, overlap = [], []
     for number, (bucket, frames) in enumerate(training_batches(args.batches, args.seed)):
         post_frames = (frames + 1) // 2
         for stack, steps, lengths in (
@@ -192,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         ):
             for row in bench_batch(stack, steps, lengths, args, device):
                 results.append({"batch": number, **row})
+        if args.beside:
+            for row in bench_beside(bucket, frames, args, device):
+                overlap.append({"batch": number, **row})
     print(f"{torch.cuda.get_device_name(device)}, batch {BATCH}, fp16, medians of {args.repeats}")
     print(
         f"{'batch':>5} {'stack':5} {'steps':>5} {'case':22} {'rows':>5} {'real':>5} "
@@ -209,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
             dense = [r for r in results if r["stack"] == stack and r["case"] == "dense"]
             ratios = [r["stack_ms"] / d["stack_ms"] for r, d in zip(rows, dense)]
             print(f"{stack} {case}: stack time / dense, median {statistics.median(ratios):.3f}")
-    write_results(args.json, device, results)
+    for r in overlap:
+        print(f"{r['batch']:5} {r['case']:45} {r['ms']:8.2f} ms")
+    write_results(args.json, device, results + overlap)
     failed = [r for r in results if (r["max_relative_error"] or 0) > 2e-2]
     for r in failed:
         print(f"packed differs from dense: {r}", file=sys.stderr)

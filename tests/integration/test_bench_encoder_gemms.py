@@ -1,6 +1,7 @@
 """bench/encoder_gemms.py: the batches it draws are training's, padded to their CUDA-graph
 bucket and ordered by length; its row shares count what each case reads; and on a Hopper GPU it
-checks packed against dense and times both."""
+checks packed against dense and times both, and the post stack's weight gradients beside the
+pre stack's backward."""
 
 import numpy as np
 import pytest
@@ -49,8 +50,19 @@ def test_packed_matches_dense_and_both_are_timed_on_a_hopper_gpu(repo_root, tmp_
         "--grad-rows",
         "64",
         "32",
+        "--beside",
+        "36",
     )
-    assert len(results) == 2 * 3
+    assert len(results) == 2 * 3 + 3
+    beside = {r["case"]: r["ms"] for r in results if r["stack"] == "pre + post dW"}
+    assert set(beside) == {
+        "pre stack alone",
+        "post weight grads alone, 36 programs",
+        "beside the pre stack, 36 programs",
+    }
+    # both together take at least as long as the longer alone (timing noise aside)
+    together = beside["beside the pre stack, 36 programs"]
+    assert together > 0.9 * max(v for k, v in beside.items() if "alone" in k)
     for stack in ("pre", "post"):
         rows = {r["case"]: r for r in results if r["stack"] == stack}
         dense = rows.pop("dense")
