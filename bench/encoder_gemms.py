@@ -20,6 +20,9 @@ Each case is captured in a CUDA graph and timed with CUDA events (medians of --r
 replays); the cases take turns on each batch. Before timing, each packed stack's outputs at the
 real frames and its gradients are checked against dense's. `rows` is the share of the bucket's
 rows that a case's weight gradients read: the real frames' share is what perfect packing would.
+`TFLOP/s` is the FLOPs a case's GEMMs run (over the rows they read) over `gemms` ms, which
+also holds _WaveStack's small copies: it says whether Triton's GEMMs run as fast a FLOP as
+cuBLAS's.
 """
 
 from __future__ import annotations
@@ -140,6 +143,24 @@ def forward(case: dict, kernels=None, gemms: str = "dense") -> torch.Tensor:
     )
 
 
+def gemm_flops(stack: str, steps: int, frames: np.ndarray, grad_rows: int | None) -> float:
+    """FLOPs of the stack's GEMMs outside the waves: over every row (grad_rows None), or over
+    the rows that packed tiles read (64-row tiles for the GEMMs with an output row per frame,
+    `grad_rows` for the weight gradients)."""
+    k_in, n_layers = STACKS[stack]
+    hidden = lstm_wave.HIDDEN
+    per_row = 2 * 4 * hidden
+    # the input GEMM where it is hoisted out of the waves (inputs wider than the hidden size),
+    # and the input gradient, which only the post stack's input needs
+    by_frame = (k_in if k_in > hidden else 0) + (k_in if stack == "post" else 0)
+    weights = k_in + hidden + (n_layers - 1) * 2 * hidden
+    packed = grad_rows is not None
+    rows_tile = packed_gemm.ROWS_TILE[0]
+    by_frame_rows = rows_read(frames, steps, rows_tile if packed else None)
+    weight_rows = rows_read(frames, steps, grad_rows)
+    return per_row * steps * BATCH * (by_frame * by_frame_rows + weights * weight_rows)
+
+
 def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> list[dict]:
     case = random_stack(stack, steps, frames, device)
 
@@ -175,7 +196,9 @@ def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> lis
                 "max_relative_error": error,
                 "gemms_ms": graph_ms(run(NoWaves(), gemms), args.repeats),
                 "stack_ms": graph_ms(run(None, gemms), args.repeats),  # the default kernels
+                "gemm_tflop": gemm_flops(stack, steps, frames, tile_rows) / 1e12,
             }
+            row["gemm_tflops"] = row["gemm_tflop"] / (row["gemms_ms"] / 1e3)
         finally:
             packed_gemm.GRAD_TILE = grad_tile
         results.append(row)
@@ -287,13 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name(device)}, batch {BATCH}, fp16, medians of {args.repeats}")
     print(
         f"{'batch':>5} {'stack':5} {'steps':>5} {'case':22} {'rows':>5} {'real':>5} "
-        f"{'gemms ms':>8} {'stack ms':>8} {'error':>8}"
+        f"{'gemms ms':>8} {'TFLOP/s':>7} {'stack ms':>8} {'error':>8}"
     )
     for r in results:
         error = "" if r["max_relative_error"] is None else f"{r['max_relative_error']:.1e}"
         print(
             f"{r['batch']:5} {r['stack']:5} {r['steps']:5} {r['case']:22} {r['rows']:5.2f} "
-            f"{r['real_frames']:5.2f} {r['gemms_ms']:8.2f} {r['stack_ms']:8.2f} {error:>8}"
+            f"{r['real_frames']:5.2f} {r['gemms_ms']:8.2f} {r['gemm_tflops']:7.0f} "
+            f"{r['stack_ms']:8.2f} {error:>8}"
         )
     for stack in STACKS:
         for case in dict.fromkeys(r["case"] for r in results):

@@ -29,6 +29,22 @@ def test_the_row_shares_count_whole_tiles_up_to_their_longest_frame():
     assert encoder_gemms.rows_read(np.array([9, 9]), 6, 2) == 1.0  # clamped to the steps
 
 
+def test_the_flop_count_is_the_stacks_gemms_outside_the_waves():
+    full = np.full(encoder_gemms.BATCH, 10)
+    unit = 2 * 4096 * 10 * encoder_gemms.BATCH  # one gate-column output for every row
+    # pre: its 256 inputs stay in the cells; two layers' weight gradients
+    assert encoder_gemms.gemm_flops("pre", 10, full, None) == unit * ((256 + 1024) + 2 * 1024)
+    # post: the hoisted input GEMM, three layers' weight gradients, the input gradient
+    post = unit * (2048 + (2048 + 1024) + 2 * 2 * 1024 + 2048)
+    assert encoder_gemms.gemm_flops("post", 10, full, None) == post
+    assert encoder_gemms.gemm_flops("post", 10, full, 64) == post  # nothing to skip
+    # rows 96 on at half length: 32-row weight-gradient tiles read 3 x 10 + 3 x 5 of 6 x 10
+    # steps, the 64-row tiles of the other GEMMs 10 + 10 + 5 of 3 x 10 (one straddles)
+    half = np.repeat([10, 5], encoder_gemms.BATCH // 2)
+    got = encoder_gemms.gemm_flops("post", 10, half, 32)
+    assert got == pytest.approx(unit * ((2048 + 2048) * 25 / 30 + 7168 * 45 / 60))
+
+
 def test_grad_rows_that_cannot_tile_the_batch_are_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         encoder_gemms.main(["--grad-rows", "48"])
