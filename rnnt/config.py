@@ -114,9 +114,9 @@ class ModelConfig(_Section):
     # hash-based dropout) or "auto" (wave on a Hopper GPU for batches that are multiples of 192,
     # cudnn elsewhere). Same parameters and checkpoints; evaluation always runs nn.LSTM.
     encoder_lstm: EncoderLSTM = "cudnn"
-    # Where the wave kernels run, their stacks' GEMMs outside the waves (the first layer's
-    # input, the weight and input gradients): "dense" over every frame of the padded batch
-    # (cuBLAS), "packed" over each utterance's own frames (rnnt/kernels/packed_gemm.py; the
+    # Where the wave kernels run, their stacks' GEMMs outside the waves (the post-RNN stack's
+    # hoisted input GEMM, the weight and input gradients): "dense" over every frame of the padded
+    # batch (cuBLAS), "packed" over each utterance's own frames (rnnt/kernels/packed_gemm.py; the
     # encoder then orders its rows by length). nn.LSTM runs every frame either way.
     encoder_gemms: EncoderGemms = "dense"
 

@@ -567,17 +567,19 @@ def lstm_stack(
     run) and TorchKernels elsewhere; `kernels` picks others (a launch variant, say). `seed` (a
     one-element int32 tensor on x's device) is drawn from torch's generator when not given and
     p > 0; without dropout nothing is drawn, so that scoring with these kernels between
-    training steps leaves training's random streams where they were. The
-    batch is padded to a multiple of 192 and the first layer's input to a multiple of 64
-    features, invisibly to the caller. `lengths` (B,): where given, the steps at and past the
-    longest are padding: skipped, with zero outputs (no host sync: the count stays on the
-    device). `gemms`: "dense" runs the GEMMs outside the waves (the first layer's input, the
-    weight and input gradients) over every row with torch's matmul; "packed" skips each row's
-    padding past its own length in them (rnnt.kernels.packed_gemm: needs `lengths`, and pays
-    when the rows are ordered by length). Packed assumes what the model gives: an output
-    gradient that is zero at every row's padding, so the gate gradients are zero there too.
-    The outputs at real frames and the gradients are then the same either way, to rounding;
-    at the padding, dense computes whatever the padding gives and packed may give zeros."""
+    training steps leaves training's random streams where they were. The batch is padded to a
+    multiple of 192 and the first layer's input to a multiple of 64 features, invisibly to the
+    caller. `lengths` (B,): where given, the steps at and past the longest are padding:
+    skipped, with zero outputs (no host sync: the count stays on the device).
+
+    `gemms`: "dense" runs the GEMMs outside the waves (the first layer's input where it is
+    hoisted, the weight and input gradients) over every row with torch's matmul; "packed" skips
+    each row's padding past its own length in them (rnnt.kernels.packed_gemm: needs `lengths`,
+    and pays when the rows are ordered by length). Packed assumes what the model gives: an
+    output gradient that is zero at every row's padding, so the gate gradients are zero there
+    too. The outputs at real frames and the gradients are then the same either way, to
+    rounding; at the padding, dense computes whatever the padding gives and packed may give
+    zeros."""
     if seed is None and p > 0:
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=x.device)
     elif seed is None:

@@ -7,8 +7,9 @@ GEMMs over real frames"). The stack's GEMMs outside the waves run over every row
 whose sizes are fixed when a graph is captured; these Triton kernels read the lengths on the
 device and skip the padding in tiles of rows, inside the same graph:
 
-- `rows`: C = A @ B with one output row per frame (the first layer's input GEMM, hoisted out
-  of the waves, and the stack's input gradient). An output tile of rows with no real frame is
+- `rows`: C = A @ B with one output row per frame (the first layer's input GEMM where it is
+  hoisted out of the waves, for inputs wider than the hidden size, and the stack's input
+  gradient). An output tile of rows with no real frame is
   stored as zeros without reading A or B. Zeros keep the padding finite: the waves still run
   those rows, and their gradient there is exactly zero only while every factor is finite.
 - `weight_grad`: C = A^T @ B summed over the frames (each layer's weight gradients, A the gate
@@ -40,13 +41,14 @@ INTERPRETED_ROWS_TILE = (512, 256, 64)
 ROWS_WARPS, ROWS_STAGES = 4, 3
 GRAD_TILE = (128, 128, 64)  # (M, N, rows): the rows are the skip's granularity
 GRAD_WARPS, GRAD_STAGES = 8, 3
-GROUP_M = 8  # output tiles taken in groups of this many tile rows, for L2 reuse of B
+GROUP_M = 8  # output tiles taken in groups of this many tile rows (see _tile_of)
 SPLITS_PER_SM = 2  # weight_grad splits its frames until the grid has this many programs per SM
 
 
 @triton.jit
 def _tile_of(pid, num_m, num_n, GROUP: tl.constexpr):
-    """Grouped order: GROUP tile rows share each column tile's B while it is in L2."""
+    """Grouped order: programs that run together cover GROUP tile rows by a few tile columns,
+    so that they read their A rows and B columns from L2 rather than from HBM."""
     width = GROUP * num_n
     first_m = (pid // width) * GROUP
     size_m = tl.minimum(num_m - first_m, GROUP)
