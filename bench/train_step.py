@@ -51,6 +51,7 @@ from rnnt.data.batch import FeatureBatch
 from rnnt.distributed import DistContext, init_distributed, shutdown
 from rnnt.kernels import lstm_wave
 from rnnt.kernels.cuda_build import BuildError
+from rnnt.model import resolve_encoder_lstm
 from rnnt.optim.schedule import lr_at
 from rnnt.throughput import StepParts
 from rnnt.trainer import Trainer
@@ -203,7 +204,8 @@ def bench_one(args, ctx: DistContext, batch_size: int, num_cg: int, peak: float)
         "num_cg": num_cg,
         "overlap_grad_reduce": trainer.cfg.training.overlap_grad_reduce,
         "exposed_comm_ms": statistics.median(waits) if waits and ctx.enabled else None,
-        "encoder_lstm": trainer.cfg.model.encoder_lstm,
+        # what ran ("wave/packed", "cudnn", ...), not the config's "auto"
+        "encoder_lstm": resolve_encoder_lstm(trainer.cfg.model, ctx.device, batch_size)[0],
         "loss_backend": trainer.cfg.loss.backend,
         "steps": len(step_ms),
         "median_step_ms": median,
@@ -229,7 +231,7 @@ def bench_one(args, ctx: DistContext, batch_size: int, num_cg: int, peak: float)
 def print_table(rows: list[dict], peak: float) -> None:
     print(f"matmul peak: {peak / 1e12:.3f} TFLOP/s")
     print(
-        f"{'gpus':>4} {'batch':>5} {'num_cg':>6} {'lstm':>6} {'step ms':>8} {'utts/s':>8} "
+        f"{'gpus':>4} {'batch':>5} {'num_cg':>6} {'lstm':>11} {'step ms':>8} {'utts/s':>8} "
         f"{'joint+loss ms':>13} {'rest ms':>8} {'peak GiB':>8} {'MFU':>6} {'exposed comm':>12}"
     )
     for r in rows:
@@ -237,7 +239,7 @@ def print_table(rows: list[dict], peak: float) -> None:
         rest = "-" if r["median_rest_ms"] is None else f"{r['median_rest_ms']:.2f}"
         comm = "-" if r["exposed_comm_ms"] is None else f"{r['exposed_comm_ms']:.3f} ms"
         print(
-            f"{r['world_size']:>4} {r['batch_size']:>5} {r['num_cg']:>6} {r['encoder_lstm']:>6} "
+            f"{r['world_size']:>4} {r['batch_size']:>5} {r['num_cg']:>6} {r['encoder_lstm']:>11} "
             f"{r['median_step_ms']:>8.2f} {r['utts_per_s']:>8.1f} {joint:>13} {rest:>8} "
             f"{r['peak_memory_gib']:>8.2f} {r['mfu']:>6.1%} {comm:>12}"
         )

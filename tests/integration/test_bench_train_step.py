@@ -30,12 +30,15 @@ def test_bench_times_the_trainers_step_on_cpu(repo_root, tmp_path):
         "data.max_duration=4",
         "--set",
         "model.n_classes=1024",
+        "--set",
+        "model.encoder_lstm=auto",
     ]
     proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "MFU against nothing: no peak for the CPU" in proc.stdout  # the Trainer's own line
     (row,) = json.loads(out.read_text())["results"]
     assert (row["batch_size"], row["num_cg"], row["steps"]) == (4, 0, 2)
+    assert row["encoder_lstm"] == "cudnn"  # what `auto` ran, as the backend line says it
     assert row["median_step_ms"] > 0 and row["utts_per_s"] > 0 and row["mfu"] > 0
     assert row["skipped_steps"] == 0 and row["final_loss"] > 0
     assert 0 < row["checkpoint_gb"] < 0.1 and row["checkpoint_total_s"] > 0
