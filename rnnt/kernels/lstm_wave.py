@@ -180,7 +180,7 @@ class TorchKernels:
         """x_gates: None, or the first layer's x W_ih^T [T*B, 4H] (permuted columns) from one
         GEMM before the waves; then x is not read and w[0] is W_hh alone [4H, H]. active: None,
         or a one-element int32 tensor n: steps t >= n are padding (h and yseq zero there, their
-        factors not written, cstate c(n - 1))."""
+        factors not written, cstate c(n - 1)). factors: None when no backward follows."""
         hidden = hseq[0].shape[1]
         batch = cstate[0].shape[0]
         steps = yseq[0].shape[0] // batch
@@ -218,6 +218,8 @@ class TorchKernels:
                 h = hs[t + 1].to(acc)  # the kernels drop out the rounded h
                 y = h if keep is None else torch.where(keep[t], h * scale, 0.0)
                 yseq[layer].view(steps, batch, hidden)[t] = y
+                if factors is None:
+                    continue
                 plane = factors[layer].view(N_FACTORS, steps, batch, hidden)[:, t]
                 plane[0] = o * (1 - tc * tc)
                 plane[1] = g * i * (1 - i)
@@ -312,7 +314,7 @@ class CudaKernels:
             self._ptrs(hseq),
             self._ptrs(yseq),
             self._ptrs(cstate),
-            self._ptrs(factors),
+            None if factors is None else self._ptrs(factors),
             self._ptrs(bias),
             self._ptrs(w),
             ctypes.c_float(p),
@@ -466,7 +468,8 @@ class _WaveStack(torch.autograd.Function):
     """y = stack(x) through a kernels object (TorchKernels or CudaKernels) and a GEMMs object
     (DenseGemms or PackedGemms). x (T, B, K) with B a multiple of BATCH_MULTIPLE and K of
     INPUT_MULTIPLE; weights in x's dtype; `active` None or the steps before the padding (a
-    one-element int32 tensor on x's device)."""
+    one-element int32 tensor on x's device). Without `backward` (scoring) the forward writes
+    no factor planes, six values a cell that only the backward reads."""
 
     @staticmethod
     def forward(
@@ -474,6 +477,7 @@ class _WaveStack(torch.autograd.Function):
         kernels,
         gemms,
         p: float,
+        backward: bool,
         seed: torch.Tensor,
         active: torch.Tensor | None,
         x: torch.Tensor,
@@ -497,7 +501,9 @@ class _WaveStack(torch.autograd.Function):
             h[:batch].zero_()
         yseq = [x.new_empty(rows, hidden) for _ in range(n_layers)]
         cstate = [x.new_zeros(batch, hidden, dtype=acc) for _ in range(n_layers)]
-        factors = [x.new_empty(N_FACTORS, rows, hidden) for _ in range(n_layers)]
+        factors = (
+            [x.new_empty(N_FACTORS, rows, hidden) for _ in range(n_layers)] if backward else None
+        )
         x_gates, w_run = None, w
         if k_in > hidden:
             # The first layer's cells would take the longest K of the stack and set the pace of
@@ -507,7 +513,7 @@ class _WaveStack(torch.autograd.Function):
             w_run = [w[0][:, k_in:].contiguous(), *w[1:]]
         kernels.forward(x_rows, hseq, yseq, cstate, factors, bias, w_run, p, seed, x_gates, active)
         ctx.active = active  # not saved with the tensors: None is a valid value
-        ctx.save_for_backward(seed, x_rows, *w, *hseq, *yseq[:-1], *factors)
+        ctx.save_for_backward(seed, x_rows, *w, *hseq, *yseq[:-1], *(factors or []))
         ctx.meta = (kernels, gemms, p, steps, batch, k_in, n_layers, hidden)
         return yseq[-1].view(steps, batch, hidden)
 
@@ -544,9 +550,9 @@ class _WaveStack(torch.autograd.Function):
                 grad_bias,
             ]
         grad_x = None
-        if ctx.needs_input_grad[5]:
+        if ctx.needs_input_grad[6]:
             grad_x = gemms.rows(dz[0], w[0][:, :k_in]).view(steps, batch, k_in)
-        return (None, None, None, None, None, grad_x, *grads)
+        return (None, None, None, None, None, None, grad_x, *grads)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -625,5 +631,7 @@ def lstm_stack(
         stack_gemms = PackedGemms(F.pad(lengths, (0, pad_b)), steps)
     else:
         raise ValueError(f"lstm_stack: gemms must be 'dense' or 'packed', not {gemms!r}")
-    y = _WaveStack.apply(kernels, stack_gemms, p, seed, active, x, *flat)
+    # a graph that nothing will differentiate (scoring, no_grad) needs no factor planes
+    backward = torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in flat))
+    y = _WaveStack.apply(kernels, stack_gemms, p, backward, seed, active, x, *flat)
     return y[:, :batch] if pad_b else y

@@ -216,6 +216,33 @@ def test_steps_past_the_longest_length_are_skipped_with_zero_outputs(k_in, hidde
     assert torch.equal(full, lstm_stack(x, layers, p, seed))
 
 
+class RecordedKernels(lstm_wave.TorchKernels):
+    """TorchKernels that note whether each forward was given factor planes to write."""
+
+    def __init__(self):
+        self.factors_given = []
+
+    def forward(self, x, hseq, yseq, cstate, factors, *args, **kwargs):
+        self.factors_given.append(factors is not None)
+        super().forward(x, hseq, yseq, cstate, factors, *args, **kwargs)
+
+
+def test_scoring_writes_no_factor_planes_and_gives_the_same_outputs():
+    """Without a backward to follow (no_grad, or nothing that needs a gradient) the forward
+    gets no factor planes, six values a cell that only the backward reads."""
+    steps, batch, k_in, hidden = 5, 4, 12, 32
+    layers = random_stack(k_in, hidden, 2)
+    x = torch.randn(steps, batch, k_in, dtype=F64)
+    kernels = RecordedKernels()
+    trained = lstm_stack(x, layers, 0.2, seed_tensor(3), kernels)
+    with torch.no_grad():
+        scored = lstm_stack(x, layers, 0.2, seed_tensor(3), kernels)
+    frozen = [tuple(t.detach() for t in w) for w in layers]
+    unused = lstm_stack(x, frozen, 0.2, seed_tensor(3), kernels)
+    assert kernels.factors_given == [True, False, False]
+    assert torch.equal(scored, trained.detach()) and torch.equal(unused, scored)
+
+
 def test_lengths_that_are_not_one_per_batch_row_are_refused():
     layers = random_stack(12, 32, 1)
     with pytest.raises(ValueError, match=r"one per batch row, shape \(5,\), not \(4,\)"):
@@ -863,3 +890,25 @@ def test_gpu_packed_gemms_give_the_dense_stacks_results_and_read_lengths_in_a_gr
     eager = run(other_lengths, other_dy, "packed")
     for got, want in zip(captured, eager):
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_scoring_writes_no_factor_planes_and_gives_the_same_bits():
+    steps, batch, k_in = 64, 192, 2048
+    layers = random_stack(k_in, lstm_wave.HIDDEN, 3, dtype=torch.float16, device="cuda", scale=0.03)
+    x = torch.randn(steps, batch, k_in, device="cuda", dtype=torch.float16)
+    lengths = torch.randint(1, steps + 1, (batch,), device="cuda")
+    trained = lstm_stack(x, layers, 0.0, lengths=lengths).detach()
+    peaks = []
+    for grad in (True, False):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.set_grad_enabled(grad):
+            y = lstm_stack(x, layers, 0.0, lengths=lengths)
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        assert torch.equal(y.detach(), trained)
+        del y
+    planes = 3 * lstm_wave.N_FACTORS * steps * batch * lstm_wave.HIDDEN * 2  # fp16 bytes
+    assert peaks[0] - peaks[1] >= planes

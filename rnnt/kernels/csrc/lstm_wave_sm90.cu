@@ -241,6 +241,7 @@ struct Params {  // 64-byte aligned through CUtensorMap
   __half* y_out[MAX_LAYERS];
   int kin_blocks[MAX_LAYERS];     // 0 where has_xw: the K loop runs over h alone
   int has_xw[MAX_LAYERS];
+  int write_factors;              // 0 when no backward follows (scoring): fac is not encoded
   int T, B;
   Jobs jobs;
   float keep_scale;
@@ -459,10 +460,12 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
         tma_store_2d(&p.ys[l], ring + H_TILE, tile * 32, t * p.B + row0);
         uint64_t once = 0;
         if constexpr (HINTS) once = l2_evict_first();
+        if (p.write_factors) {
 #pragma unroll
-        for (int f = 0; f < N_FACTORS; ++f)
-          tma_store<HINTS>(&p.fac[l], ring + (2 + f) * H_TILE, tile * 32,
-                           f * rows + t * p.B + row0, once);
+          for (int f = 0; f < N_FACTORS; ++f)
+            tma_store<HINTS>(&p.fac[l], ring + (2 + f) * H_TILE, tile * 32,
+                             f * rows + t * p.B + row0, once);
+        }
         bulk_commit();
         bulk_wait_read();
       }
@@ -958,7 +961,7 @@ extern "C" {
 //   hseq[l]   [(T+1)*B, H]: slot 0 = h0 (the caller zeroes it), slot t + 1 = h(t)
 //   yseq[l]   [T*B, H]: dropout(h); the last layer's is the stack's output
 //   cstate[l] [B, H] fp32: c0 in (the caller zeroes it), c(T - 1) out
-//   factors[l][6, T*B, H]: what the backward reads
+//   factors[l][6, T*B, H]: what the backward reads; factors null: none written (scoring)
 //   bias[l]   [4H] fp32, w[l] [4H, kin[l] + H]: b_ih + b_hh and [W_ih | W_hh], rows permuted
 //             (rnnt/kernels/lstm_wave.py: gate_permutation)
 // seed: one uint32 on the device. active: null, or one int32 on the device, n: the steps t >= n
@@ -992,7 +995,7 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
     if (!r) r = encode_checked(&p.c[l], cstate[l], B, HID, true, 32, fwd::BN, SW128);
     if (!r) r = encode_checked(&p.hs[l], hseq[l], rows1, HID, false, 32, fwd::BN, SW64);
     if (!r) r = encode_checked(&p.ys[l], yseq[l], rows, HID, false, 32, fwd::BN, SW64);
-    if (!r)
+    if (!r && factors)
       r = encode_checked(&p.fac[l], factors[l], fwd::N_FACTORS * rows, HID, false, 32, fwd::BN,
                          SW64);
     if (r) return r;
@@ -1002,6 +1005,7 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
     p.kin_blocks[l] = kin[l] / fwd::BK;
     p.has_xw[l] = xw[l] != nullptr;
   }
+  p.write_factors = factors != nullptr;
   p.T = T;
   p.B = B;
   p.keep_scale = 1.f / (1.f - p_drop);
