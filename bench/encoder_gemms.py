@@ -176,6 +176,7 @@ def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> lis
     results = []
     for name, tile_rows in cases:
         gemms = "dense" if tile_rows is None else "packed"
+        # lstm_stack takes the module's tiles (no user chooses them), so the bench swaps them
         grad_tile = packed_gemm.GRAD_TILE
         if tile_rows is not None:
             packed_gemm.GRAD_TILE = (*grad_tile[:2], tile_rows)

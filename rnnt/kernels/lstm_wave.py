@@ -468,8 +468,8 @@ class _WaveStack(torch.autograd.Function):
     """y = stack(x) through a kernels object (TorchKernels or CudaKernels) and a GEMMs object
     (DenseGemms or PackedGemms). x (T, B, K) with B a multiple of BATCH_MULTIPLE and K of
     INPUT_MULTIPLE; weights in x's dtype; `active` None or the steps before the padding (a
-    one-element int32 tensor on x's device). Without `backward` (scoring) the forward writes
-    no factor planes, six values a cell that only the backward reads."""
+    one-element int32 tensor on x's device). Without `keep_factors` (scoring: no backward
+    follows) the forward writes no factor planes, six values a cell only the backward reads."""
 
     @staticmethod
     def forward(
@@ -477,7 +477,7 @@ class _WaveStack(torch.autograd.Function):
         kernels,
         gemms,
         p: float,
-        backward: bool,
+        keep_factors: bool,
         seed: torch.Tensor,
         active: torch.Tensor | None,
         x: torch.Tensor,
@@ -502,7 +502,9 @@ class _WaveStack(torch.autograd.Function):
         yseq = [x.new_empty(rows, hidden) for _ in range(n_layers)]
         cstate = [x.new_zeros(batch, hidden, dtype=acc) for _ in range(n_layers)]
         factors = (
-            [x.new_empty(N_FACTORS, rows, hidden) for _ in range(n_layers)] if backward else None
+            [x.new_empty(N_FACTORS, rows, hidden) for _ in range(n_layers)]
+            if keep_factors
+            else None
         )
         x_gates, w_run = None, w
         if k_in > hidden:
@@ -632,6 +634,8 @@ def lstm_stack(
     else:
         raise ValueError(f"lstm_stack: gemms must be 'dense' or 'packed', not {gemms!r}")
     # a graph that nothing will differentiate (scoring, no_grad) needs no factor planes
-    backward = torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in flat))
-    y = _WaveStack.apply(kernels, stack_gemms, p, backward, seed, active, x, *flat)
+    keep_factors = torch.is_grad_enabled() and (
+        x.requires_grad or any(t.requires_grad for t in flat)
+    )
+    y = _WaveStack.apply(kernels, stack_gemms, p, keep_factors, seed, active, x, *flat)
     return y[:, :batch] if pad_b else y

@@ -50,6 +50,9 @@ def test_grad_rows_that_cannot_tile_the_batch_are_refused(capsys):
         encoder_gemms.main(["--grad-rows", "48"])
     assert exit_info.value.code == 2
     assert "--grad-rows: 48 is no power of two >= 16 that divides 192" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        encoder_gemms.main(["--beside", "36", "-1"])
+    assert "--beside: grids of 0 (one program per work item) or more" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

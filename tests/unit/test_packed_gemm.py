@@ -5,6 +5,7 @@ skipped hold NaN, so a kernel that reads one fails."""
 import pytest
 import torch
 
+from rnnt.kernels import packed_gemm
 from rnnt.kernels.packed_gemm import PackedGemms
 
 TILES = dict(rows_tile=(16, 32, 16), grad_tile=(32, 32, 16))
@@ -71,7 +72,7 @@ def test_weight_grad_sums_the_live_tiles_only(order, shape):
 
 
 @pytest.mark.parametrize("programs", [1, 3])
-def test_a_capped_grid_takes_the_same_work_in_turns(programs):
+def test_a_capped_grid_takes_the_same_work_in_turns(programs, monkeypatch):
     """Four work items (two output tiles, each in two splits of the frames) on one program or
     three: the same sums, in the same order, as one program each."""
     steps, batch = 9, 48
@@ -79,7 +80,18 @@ def test_a_capped_grid_takes_the_same_work_in_turns(programs):
     a = torch.randn(steps * batch, 32, generator=gen) * frames(lengths, steps)[:, None]
     b = torch.randn(steps * batch, 32, generator=gen)
     gemms = PackedGemms(lengths, steps, rows_tile=(16, 16, 16), grad_tile=(32, 16, 16))
-    assert torch.equal(gemms.weight_grad(a, b, programs=programs), gemms.weight_grad(a, b))
+    grids = []
+    kernel = packed_gemm._weight_grad_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(packed_gemm, "_weight_grad_kernel", Recorded())
+    capped, full = gemms.weight_grad(a, b, programs=programs), gemms.weight_grad(a, b)
+    assert grids == [(programs,), (4,)]
+    assert torch.equal(capped, full)
 
 
 def test_weight_grad_in_fp16_sums_in_fp32():
