@@ -125,7 +125,19 @@ def random_stack(stack: str, steps: int, frames: np.ndarray, device) -> dict:
     dy = torch.randn(steps, BATCH, hidden, generator=gen, **half) * 0.01 * real[..., None]
     params = ([x] if x.requires_grad else []) + [t for w in layers for t in w]
     seed = torch.tensor([7], dtype=torch.int32, device=device)
-    return dict(layers=layers, lengths=lengths, real=real, x=x, dy=dy, params=params, seed=seed)
+    # the encoder gives packed stacks each row's place in the batch before its sort; these
+    # rows are in order already, and the keys make the same kernels run as in the trainer
+    row_keys = torch.arange(BATCH, dtype=torch.int32, device=device)
+    return dict(
+        layers=layers,
+        lengths=lengths,
+        real=real,
+        x=x,
+        dy=dy,
+        params=params,
+        seed=seed,
+        row_keys=row_keys,
+    )
 
 
 def forward(case: dict, kernels=None, gemms: str = "dense") -> torch.Tensor:
@@ -140,6 +152,7 @@ def forward(case: dict, kernels=None, gemms: str = "dense") -> torch.Tensor:
         kernels=kernels,
         lengths=case["lengths"],
         gemms=gemms,
+        row_keys=case["row_keys"] if gemms == "packed" else None,
     )
 
 

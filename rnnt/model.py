@@ -202,7 +202,10 @@ class StackedLSTM(nn.Module):
         x: torch.Tensor,
         state: LSTMState | None = None,
         lengths: torch.Tensor | None = None,
+        row_keys: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LSTMState | None]:
+        """row_keys: where the rows were reordered, each one's place in the batch before, so
+        that the wave's dropout masks follow the utterance (nn.LSTM's draw does not)."""
         if self.lstm != "cudnn" and self.training and self._runs_wave(x, state):
             if state is not None:
                 raise ValueError("the wave LSTM runs from zero state only")
@@ -212,6 +215,7 @@ class StackedLSTM(nn.Module):
                 self.dropout_p,
                 lengths=lengths,
                 gemms=self.gemms_for(lengths),
+                row_keys=row_keys,
             )
             return y, None
         if self.eval_lstm == "wave" and not self.training:
@@ -287,15 +291,15 @@ class Encoder(nn.Module):
     def forward(self, x: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Packed GEMMs skip tiles of rows whose frames have all ended, so the rows go longest
         # first (on the device, inside a CUDA graph) and come back in the batch's order at the
-        # end. The wave's dropout keys follow the row, so an utterance draws another mask than
-        # in the batch's order: as random, not the same bits.
+        # end. Each row's dropout key is its place in the batch's order, so an utterance draws
+        # the mask it would draw with dense GEMMs.
         order = None
         if any(rnn.runs_packed(x) for rnn in (self.pre_rnn, self.post_rnn)):
             order = torch.argsort(lens, descending=True, stable=True)
             x, lens = x.index_select(1, order), lens.index_select(0, order)
-        x, _ = self.pre_rnn(x, lengths=lens)
+        x, _ = self.pre_rnn(x, lengths=lens, row_keys=order)
         x, lens = self.stack_time(x, lens)
-        x, _ = self.post_rnn(x, lengths=lens)
+        x, _ = self.post_rnn(x, lengths=lens, row_keys=order)
         f = self.joint_enc(x.transpose(0, 1))
         if order is not None:
             restore = torch.argsort(order)

@@ -99,6 +99,19 @@ def test_keep_mask_rate_independence_and_batch_invariance():
     assert keep_mask(seed, 0, 3, 4, 8, 0.0).all()
 
 
+def test_row_keys_give_each_row_the_mask_of_its_key():
+    """A row with key k draws row k's mask of the batch in its own order: a reordered batch
+    keeps its utterances' masks, and a key past the batch is the row of a larger batch."""
+    seed, steps, hidden, p = seed_tensor(31), 5, 64, 0.3
+    keys = torch.tensor([5, 0, 3, 2, 4, 1, 9])
+    mask = keep_mask(seed, 1, steps, 7, hidden, p, row_keys=keys)
+    in_order = keep_mask(seed, 1, steps, 10, hidden, p)
+    assert torch.equal(mask, in_order[:, keys])
+    assert torch.equal(
+        keep_mask(seed, 1, steps, 7, hidden, p, row_keys=torch.arange(7)), in_order[:, :7]
+    )
+
+
 def test_the_threshold_rounds_p_as_the_kernels_float32():
     assert lstm_wave.drop_threshold(0.1) == 6554  # 0.1f * 65536 = 6553.6001
     assert lstm_wave.drop_threshold(0.3) == 19661
@@ -421,6 +434,29 @@ def test_the_wave_stack_refuses_a_state():
         model.encoder.pre_rnn(torch.randn(3, 1, 16), state)
 
 
+def test_a_reordered_batch_with_its_row_keys_runs_each_utterance_as_in_order():
+    """Rows permuted and given their places before as keys: every row's output and every
+    gradient as without the permutation, dropout included (float64, so to 1e-12)."""
+    steps, batch, k_in, hidden, n_layers, p = 6, 7, 128, 32, 2, 0.3
+    layers = random_stack(k_in, hidden, n_layers)
+    x = torch.randn(steps, batch, k_in, dtype=F64, requires_grad=True)
+    dy = torch.randn(steps, batch, hidden, dtype=F64)
+    seed = seed_tensor(5)
+    y = lstm_stack(x, layers, p, seed)
+    want = torch.autograd.grad(y, [x, *flat(layers)], dy)
+    order = torch.tensor([3, 6, 0, 2, 5, 1, 4])
+    y_perm = lstm_stack(x[:, order], layers, p, seed, row_keys=order)
+    got = torch.autograd.grad(y_perm, [x, *flat(layers)], dy[:, order])
+    assert (y_perm - y[:, order]).abs().max() < 1e-12
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() < 1e-11
+    # without the keys the reordered rows draw other masks
+    y_unkeyed = lstm_stack(x[:, order], layers, p, seed)
+    assert (y_unkeyed - y[:, order]).abs().max() > 0.1
+    with pytest.raises(ValueError, match=r"row_keys must be one per batch row, shape \(7,\)"):
+        lstm_stack(x, layers, p, seed, row_keys=order[:5])
+
+
 # ----------------------------------------------------------------------------------------------
 # the GEMMs over real frames (model.encoder_gemms: packed; Triton's interpreter on the CPU)
 
@@ -467,9 +503,9 @@ def test_the_packed_wave_encoder_orders_rows_by_length_and_trains_cudnns_functio
     seen = []
     real_stack = lstm_wave.lstm_stack
 
-    def recorded(x, layers, p, lengths=None, gemms="dense"):
-        seen.append((lengths.tolist(), gemms))
-        return real_stack(x, layers, p, lengths=lengths, gemms=gemms)
+    def recorded(x, layers, p, lengths=None, gemms="dense", row_keys=None):
+        seen.append((lengths.tolist(), gemms, row_keys.tolist()))
+        return real_stack(x, layers, p, lengths=lengths, gemms=gemms, row_keys=row_keys)
 
     monkeypatch.setattr(lstm_wave, "lstm_stack", recorded)
     kw = dict(enc_n_hid=32, in_feats=24, enc_dropout=0.0)
@@ -485,9 +521,33 @@ def test_the_packed_wave_encoder_orders_rows_by_length_and_trains_cudnns_functio
         real = torch.arange(f.shape[1])[None, :] < f_lens[:, None]
         f[real].square().sum().backward()
         outs.append((f[real], f_lens, {n: q.grad for n, q in model.encoder.named_parameters()}))
-    assert seen == [([11, 9, 9, 4, 1], "packed"), ([6, 5, 5, 2, 1], "packed")]
+    order = [1, 2, 4, 0, 3]
+    assert seen == [([11, 9, 9, 4, 1], "packed", order), ([6, 5, 5, 2, 1], "packed", order)]
     (f1, l1, g1), (f2, l2, g2) = outs
     assert torch.equal(l1, l2)
+    torch.testing.assert_close(f2, f1, rtol=1e-5, atol=1e-6)
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_packed_wave_encoder_draws_the_dense_encoders_dropout_masks():
+    """With dropout on and the same seed, model.encoder_gemms: packed (rows sorted by length)
+    and dense (batch order) train the same function: the same f at the real frames and the same
+    gradients, to fp32 rounding, because each row's dropout key is its place in the batch."""
+    kw = dict(enc_n_hid=32, in_feats=24, enc_dropout=0.3, encoder_lstm="wave")
+    dense = RNNT(tiny_cfg(**kw)).train()
+    packed = RNNT(tiny_cfg(encoder_gemms="packed", **kw)).train()
+    packed.load_state_dict(dense.state_dict())
+    x = torch.randn(11, 5, 24)
+    lens = torch.tensor([4, 11, 9, 1, 9])
+    outs = []
+    for model in (dense, packed):
+        torch.manual_seed(8)  # the stacks' dropout seeds
+        f, f_lens = model.encoder(x, lens)
+        real = torch.arange(f.shape[1])[None, :] < f_lens[:, None]
+        f[real].square().sum().backward()
+        outs.append((f[real], {n: q.grad for n, q in model.encoder.named_parameters()}))
+    (f1, g1), (f2, g2) = outs
     torch.testing.assert_close(f2, f1, rtol=1e-5, atol=1e-6)
     for name in g1:
         torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-5, msg=name)
@@ -548,13 +608,13 @@ def test_the_kernel_source_builds_and_rejects_shapes_it_cannot_tile(tmp_path, mo
         def forward(layers, steps, batch, kin, p=0.1, variant=0):
             kins = (ctypes.c_int * 3)(*kin)
             return lib.wave_lstm_forward(
-                0, layers, steps, batch, kins, *[null] * 8, p, None, None, variant, None
+                0, layers, steps, batch, kins, *[null] * 8, p, None, None, None, variant, None
             )
 
         def backward(layers, steps, batch, kin, p=0.1):
             kins = (ctypes.c_int * 3)(*kin)
             return lib.wave_lstm_backward(
-                0, layers, steps, batch, kins, *[null] * 5, None, p, None, None, 0, None
+                0, layers, steps, batch, kins, *[null] * 5, None, p, None, None, None, 0, None
             )
 
         # shapes it cannot tile are refused before anything touches a GPU
@@ -640,7 +700,7 @@ def test_off_hopper_the_kernels_say_why():
     assert "CUDA device" in lstm_wave.unsupported(torch.device("cpu"), 1024, 2)
 
 
-def cuda_buffers(steps, batch, k_in, n_layers, p, seed, layers, active=None):
+def cuda_buffers(steps, batch, k_in, n_layers, p, seed, layers, active=None, row_keys=None):
     """Forward and backward buffers filled by the CUDA kernels and by TorchKernels from the same
     inputs (the backward from TorchKernels' factors). The outputs start as NaN, so that what a
     kernel leaves unwritten shows; a first layer wider than the hidden size runs as the autograd
@@ -670,13 +730,13 @@ def cuda_buffers(steps, batch, k_in, n_layers, p, seed, layers, active=None):
         yseq = [nans(rows, hidden) for _ in layers]
         cstate = [torch.zeros(batch, hidden, device=dev) for _ in layers]
         fac = [nans(6, rows, hidden) for _ in layers]
-        kernels.forward(x, hseq, yseq, cstate, fac, bias, w_run, p, seed, x_gates, active)
+        kernels.forward(x, hseq, yseq, cstate, fac, bias, w_run, p, seed, x_gates, active, row_keys)
         # both backwards from the same factors
         factors = fac if name == "torch" else out["torch"]["fac"]
         dz = [nans(rows, 4 * hidden) for _ in layers]
         dc = [torch.zeros(batch, hidden, device=dev) for _ in layers]
         dbias = [nans(rows // 96, 4 * hidden, dtype=torch.float32) for _ in layers]
-        kernels.backward(kin, wt, dz, factors, dc, dbias, dy, p, seed, active)
+        kernels.backward(kin, wt, dz, factors, dc, dbias, dy, p, seed, active, row_keys)
         out[name] = dict(h=hseq, y=yseq, c=cstate, fac=fac, dz=dz, dbias=dbias)
     torch.cuda.synchronize()
     return out
@@ -685,18 +745,28 @@ def cuda_buffers(steps, batch, k_in, n_layers, p, seed, layers, active=None):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(
-    "k_in,n_layers,longest",
-    [(256, 2, None), (2048, 3, None), (256, 2, 4), (2048, 3, 1)],
-    ids=["pre", "post-hoisted", "pre-padding", "post-padding"],
+    "k_in,n_layers,longest,keyed",
+    [
+        (256, 2, None, False),
+        (2048, 3, None, False),
+        (256, 2, 4, False),
+        (2048, 3, 1, False),
+        (256, 2, 4, True),
+        (2048, 3, None, True),
+    ],
+    ids=["pre", "post-hoisted", "pre-padding", "post-padding", "pre-keyed", "post-keyed"],
 )
-def test_gpu_buffers_match_the_torch_kernels(k_in, n_layers, longest):
+def test_gpu_buffers_match_the_torch_kernels(k_in, n_layers, longest, keyed):
+    """keyed: the rows' dropout keys are a permutation (the kernels built with row keys)."""
     steps, batch, p = 6, 192, 0.1
     layers = random_stack(
         k_in, lstm_wave.HIDDEN, n_layers, dtype=torch.float32, device="cuda", scale=0.03, grad=False
     )
     seed = seed_tensor(77, "cuda")
     active = None if longest is None else torch.tensor([longest], dtype=torch.int32, device="cuda")
-    out = cuda_buffers(steps, batch, k_in, n_layers, p, seed, layers, active)
+    gen = torch.Generator().manual_seed(12)
+    row_keys = torch.randperm(batch, generator=gen).int().cuda() if keyed else None
+    out = cuda_buffers(steps, batch, k_in, n_layers, p, seed, layers, active, row_keys)
     n = steps if longest is None else longest
     for name in ("h", "y", "c", "fac", "dz", "dbias"):
         for got, want in zip(out["cuda"][name], out["torch"][name]):
@@ -714,7 +784,7 @@ def test_gpu_buffers_match_the_torch_kernels(k_in, n_layers, longest):
         dz = out["cuda"]["dz"][layer].view(steps, batch, -1)
         assert torch.equal(dz[n:], torch.zeros_like(dz[n:]))
         # dropout: exactly the hash masks (dropped where h is not zero)
-        mask = keep_mask(seed, layer, steps, batch, lstm_wave.HIDDEN, p)
+        mask = keep_mask(seed, layer, steps, batch, lstm_wave.HIDDEN, p, row_keys)
         assert torch.equal((y == 0) & (h != 0), ~mask & (h != 0))
 
 
@@ -834,6 +904,24 @@ def test_gpu_every_variant_is_bitwise_the_same_and_graphs_draw_fresh_masks():
         torch.cuda.synchronize()
         masks.append(out == 0)
     assert not torch.equal(masks[0], masks[1])
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_a_reordered_batch_with_its_row_keys_keeps_each_rows_masks():
+    steps, batch, k_in, p = 12, 192, 256, 0.3
+    layers = random_stack(
+        k_in, lstm_wave.HIDDEN, 2, dtype=torch.float16, device="cuda", scale=0.03, grad=False
+    )
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(steps, batch, k_in, generator=gen).half().cuda()
+    order = torch.randperm(batch, generator=gen).cuda()
+    seed = seed_tensor(9, "cuda")
+    y = lstm_stack(x, layers, p, seed)[:, order]
+    y_keyed = lstm_stack(x[:, order], layers, p, seed, row_keys=order)
+    assert torch.equal(y_keyed == 0, y == 0)
+    assert (y_keyed == 0).float().mean() > 0.25
+    assert (y_keyed.float() - y.float()).abs().max() < 2e-3
 
 
 @pytest.mark.gpu
