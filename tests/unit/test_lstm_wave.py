@@ -488,6 +488,42 @@ def test_packed_gemms_give_the_dense_stacks_outputs_and_gradients(k_in):
     assert torch.equal(packed[0][~real], torch.zeros_like(packed[0][~real]))
 
 
+@pytest.mark.parametrize("gemms", ["dense", "packed"])
+def test_on_a_ragged_batch_the_stack_is_nn_lstm_on_packed_sequences(gemms):
+    """cuDNN's packed sequences as the oracle of a ragged batch in no order: nn.LSTM runs each
+    row over its own frames alone. The stack with the lengths gives its outputs at every real
+    frame and its gradients (the output gradient zero past each row's length), dropout on."""
+    steps, batch, k_in, hidden, n_layers, p = 7, 6, 128, 32, 2, 0.3
+    layers = random_stack(k_in, hidden, n_layers, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(steps, batch, k_in, generator=gen, requires_grad=True)
+    lengths = torch.tensor([7, 3, 5, 1, 7, 4])
+    real = real_frames(lengths, steps)
+    dy = torch.randn(steps, batch, hidden, generator=gen) * real[..., None]
+    seed = seed_tensor(21)
+    y = lstm_stack(x, layers, p, seed, lengths=lengths, gemms=gemms)
+    got = torch.autograd.grad(y, [x, *flat(layers)], dy)
+
+    x_ref = x.detach().clone().requires_grad_(True)
+    h, modules = x_ref, []
+    for index, weights in enumerate(layers):
+        lstm = nn.LSTM(weights[0].shape[1], hidden)
+        with torch.no_grad():
+            for name, value in zip(("weight_ih", "weight_hh", "bias_ih", "bias_hh"), weights):
+                getattr(lstm, f"{name}_l0").copy_(value)
+        packed = nn.utils.rnn.pack_padded_sequence(h, lengths, enforce_sorted=False)
+        h, _ = nn.utils.rnn.pad_packed_sequence(lstm(packed)[0], total_length=steps)
+        h = h * keep_mask(seed, index, steps, batch, hidden, p) / (1 - p)
+        modules.append(lstm)
+    h.backward(dy)
+    torch.testing.assert_close(y[real], h[real], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0], x_ref.grad, rtol=1e-5, atol=1e-6)
+    for index, lstm in enumerate(modules):
+        names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+        for g, name in zip(got[1 + 4 * index : 5 + 4 * index], names):
+            torch.testing.assert_close(g, getattr(lstm, f"{name}_l0").grad, rtol=1e-4, atol=1e-5)
+
+
 def test_packed_gemms_need_lengths_and_other_values_are_refused():
     layers = random_stack(32, 32, 1, dtype=torch.float32)
     x = torch.randn(3, 4, 32)
