@@ -670,12 +670,14 @@ def lstm_stack(
         if index == 0 and pad_k:
             w_ih = F.pad(w_ih, (0, pad_k))
         flat += [w_ih, w_hh, b_ih, b_hh]
+    if row_keys is not None and row_keys.shape != (batch,):
+        raise ValueError(
+            f"lstm_stack: row_keys must be one per batch row, shape ({batch},), not "
+            f"{tuple(row_keys.shape)}"
+        )
+    if p == 0:
+        row_keys = None  # no mask to key: the kernels without key loads run
     if row_keys is not None:
-        if row_keys.shape != (batch,):
-            raise ValueError(
-                f"lstm_stack: row_keys must be one per batch row, shape ({batch},), not "
-                f"{tuple(row_keys.shape)}"
-            )
         # the batch's padding rows take keys after the real rows' (their outputs are cut off)
         pad_keys = torch.arange(batch, batch + pad_b, device=x.device)
         row_keys = torch.cat([row_keys.to(x.device), pad_keys]).to(torch.int32).contiguous()

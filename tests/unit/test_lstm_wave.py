@@ -230,14 +230,19 @@ def test_steps_past_the_longest_length_are_skipped_with_zero_outputs(k_in, hidde
 
 
 class RecordedKernels(lstm_wave.TorchKernels):
-    """TorchKernels that note whether each forward was given factor planes to write."""
+    """TorchKernels that note whether each forward was given factor planes to write, and the
+    row keys it was given."""
 
     def __init__(self):
         self.factors_given = []
+        self.row_keys_given = []
 
-    def forward(self, x, hseq, yseq, cstate, factors, *args, **kwargs):
+    def forward(self, x, hseq, yseq, cstate, factors, *args, row_keys=None):
         self.factors_given.append(factors is not None)
-        super().forward(x, hseq, yseq, cstate, factors, *args, **kwargs)
+        if len(args) == 7:  # passed by position, after active
+            *args, row_keys = args
+        self.row_keys_given.append(row_keys)
+        super().forward(x, hseq, yseq, cstate, factors, *args, row_keys=row_keys)
 
 
 def test_scoring_writes_no_factor_planes_and_gives_the_same_outputs():
@@ -453,6 +458,13 @@ def test_a_reordered_batch_with_its_row_keys_runs_each_utterance_as_in_order():
     # without the keys the reordered rows draw other masks
     y_unkeyed = lstm_stack(x[:, order], layers, p, seed)
     assert (y_unkeyed - y[:, order]).abs().max() > 0.1
+    # the kernels get the keys (the padding rows' after them), and none where nothing drops
+    kernels = RecordedKernels()
+    lstm_stack(x[:, order], layers, p, seed, kernels=kernels, row_keys=order)
+    lstm_stack(x[:, order], layers, 0.0, seed, kernels=kernels, row_keys=order)
+    keyed, unkeyed = kernels.row_keys_given
+    assert keyed.dtype == torch.int32 and keyed.tolist() == order.tolist() + list(range(7, 192))
+    assert unkeyed is None
     with pytest.raises(ValueError, match=r"row_keys must be one per batch row, shape \(7,\)"):
         lstm_stack(x, layers, p, seed, row_keys=order[:5])
 
