@@ -13,11 +13,13 @@ post-RNN: 3 layers, 2048 inputs, half as many frames), fp16, dropout 0.1:
   is _WaveStack's own work: the hoisted input GEMM, two weight gradients a layer and the post
   stack's input gradient, plus the small copies around them (the same in both);
 - `stack`: lstm_stack forward + backward with the wave kernels, what the trainer runs.
+Cases: dense; dense with the rows' dropout keys (the keyed wave kernels that the trainer's
+packed stacks run, whose price this case shows); packed with each --grad-rows, with the keys.
 With --beside, also the post stack's weight gradients (packed) on a side stream, forked when
 the pre stack's backward starts, on grids of a few programs: whether they hide beside the
 waves, which leave 36 of an H100's or H200's 132 SMs idle.
 Each case is captured in a CUDA graph and timed with CUDA events (medians of --repeats
-replays); the cases take turns on each batch. Before timing, each packed stack's outputs at the
+replays); the cases take turns on each batch. Before timing, each other case's outputs at the
 real frames and its gradients are checked against dense's. `rows` is the share of the bucket's
 rows that a case's weight gradients read: the real frames' share is what perfect packing would.
 `TFLOP/s` is the FLOPs a case's GEMMs run (over the rows they read) over `gemms` ms, which
@@ -140,8 +142,9 @@ def random_stack(stack: str, steps: int, frames: np.ndarray, device) -> dict:
     )
 
 
-def forward(case: dict, kernels=None, gemms: str = "dense") -> torch.Tensor:
-    """lstm_stack on the case's input, `kernels` None for the default wave kernels."""
+def forward(case: dict, kernels=None, gemms: str = "dense", keyed: bool = False) -> torch.Tensor:
+    """lstm_stack on the case's input, `kernels` None for the default wave kernels; `keyed`:
+    with the rows' dropout keys, as the trainer's encoder runs packed stacks."""
     for param in case["params"]:
         param.grad = None
     return lstm_wave.lstm_stack(
@@ -152,7 +155,7 @@ def forward(case: dict, kernels=None, gemms: str = "dense") -> torch.Tensor:
         kernels=kernels,
         lengths=case["lengths"],
         gemms=gemms,
-        row_keys=case["row_keys"] if gemms == "packed" else None,
+        row_keys=case["row_keys"] if keyed else None,
     )
 
 
@@ -177,17 +180,20 @@ def gemm_flops(stack: str, steps: int, frames: np.ndarray, grad_rows: int | None
 def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> list[dict]:
     case = random_stack(stack, steps, frames, device)
 
-    def run(kernels, gemms):
-        return lambda: forward(case, kernels, gemms).backward(case["dy"])
+    def run(kernels, gemms, keyed):
+        return lambda: forward(case, kernels, gemms, keyed).backward(case["dy"])
 
-    def outputs(gemms):
-        y = forward(case, None, gemms)
+    def outputs(gemms, keyed):
+        y = forward(case, None, gemms, keyed)
         return y.detach()[case["real"]], *torch.autograd.grad(y, case["params"], case["dy"])
 
-    cases = [("dense", None)] + [(f"packed, {rows}-row tiles", rows) for rows in args.grad_rows]
-    want = outputs("dense")
+    # (name, weight-gradient tile rows or None for dense, row keys): the dense stack with the
+    # keys prices the keyed wave kernels that packed stacks run in the trainer
+    cases = [("dense", None, False), ("dense, row keys", None, True)]
+    cases += [(f"packed, {rows}-row tiles", rows, True) for rows in args.grad_rows]
+    want = outputs("dense", False)
     results = []
-    for name, tile_rows in cases:
+    for name, tile_rows, keyed in cases:
         gemms = "dense" if tile_rows is None else "packed"
         # lstm_stack takes the module's tiles (no user chooses them), so the bench swaps them
         grad_tile = packed_gemm.GRAD_TILE
@@ -195,8 +201,8 @@ def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> lis
             packed_gemm.GRAD_TILE = (*grad_tile[:2], tile_rows)
         try:
             error = None
-            if tile_rows is not None:
-                got = outputs(gemms)
+            if tile_rows is not None or keyed:
+                got = outputs(gemms, keyed)
                 error = max(
                     ((g.float() - w.float()).norm() / w.float().norm()).item()
                     for g, w in zip(got, want)
@@ -208,8 +214,8 @@ def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> lis
                 "rows": rows_read(frames, steps, tile_rows),
                 "real_frames": float(frames.clip(max=steps).sum()) / (steps * BATCH),
                 "max_relative_error": error,
-                "gemms_ms": graph_ms(run(NoWaves(), gemms), args.repeats),
-                "stack_ms": graph_ms(run(None, gemms), args.repeats),  # the default kernels
+                "gemms_ms": graph_ms(run(NoWaves(), gemms, keyed), args.repeats),
+                "stack_ms": graph_ms(run(None, gemms, keyed), args.repeats),  # default kernels
                 "gemm_tflop": gemm_flops(stack, steps, frames, tile_rows) / 1e12,
             }
             row["gemm_tflops"] = row["gemm_tflop"] / (row["gemms_ms"] / 1e3)
@@ -344,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     write_results(args.json, device, results + overlap)
     failed = [r for r in results if (r["max_relative_error"] or 0) > 2e-2]
     for r in failed:
-        print(f"packed differs from dense: {r}", file=sys.stderr)
+        print(f"{r['case']} differs from dense: {r}", file=sys.stderr)
     return 1 if failed else 0
 
 

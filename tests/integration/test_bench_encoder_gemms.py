@@ -72,7 +72,7 @@ def test_packed_matches_dense_and_both_are_timed_on_a_hopper_gpu(repo_root, tmp_
         "--beside",
         "36",
     )
-    assert len(results) == 2 * 3 + 3
+    assert len(results) == 2 * 4 + 3
     beside = {r["case"]: r["ms"] for r in results if r["stack"] == "pre + post dW"}
     assert set(beside) == {
         "pre stack alone",
@@ -86,6 +86,8 @@ def test_packed_matches_dense_and_both_are_timed_on_a_hopper_gpu(repo_root, tmp_
         rows = {r["case"]: r for r in results if r["stack"] == stack}
         dense = rows.pop("dense")
         assert dense["rows"] == 1.0 and dense["gemms_ms"] > 0
+        keyed = rows.pop("dense, row keys")  # the same masks: keys 0, 1, ... are the rows
+        assert keyed["rows"] == 1.0 and keyed["max_relative_error"] < 1e-3
         for packed in rows.values():
             assert packed["real_frames"] <= packed["rows"] < 1.0
             assert packed["max_relative_error"] < 2e-2
