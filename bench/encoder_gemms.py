@@ -2,7 +2,8 @@
 (`model.encoder_gemms: dense`, cuBLAS) against over each utterance's real frames (`packed`,
 rnnt/kernels/packed_gemm.py).
 
-    python bench/encoder_gemms.py [--batches 4] [--repeats 10] [--grad-rows 64 32] [--json F]
+    python bench/encoder_gemms.py [--batches 4] [--repeats 10] [--grad-rows 64 32] [--sweep]
+        [--beside 0 36 24] [--json F]
 
 Random training batches of 192 utterances from the shipped LibriSpeech lengths table, with the
 speed perturbation training draws (rnnt.data.synthetic), each padded to its CUDA-graph bucket
@@ -14,7 +15,8 @@ post-RNN: 3 layers, 2048 inputs, half as many frames), fp16, dropout 0.1:
   stack's input gradient, plus the small copies around them (the same in both);
 - `stack`: lstm_stack forward + backward with the wave kernels, what the trainer runs.
 Cases: dense; dense with the rows' dropout keys (the keyed wave kernels that the trainer's
-packed stacks run, whose price this case shows); packed with each --grad-rows, with the keys.
+packed stacks run, whose price this case shows); packed with each --grad-rows, with the keys;
+with --sweep, packed with each of SWEEP's other tiles, one change from the shipped ones each.
 With --beside, also the post stack's weight gradients (packed) on a side stream, forked when
 the pre stack's backward starts, on grids of a few programs: whether they hide beside the
 waves, which leave 36 of an H100's or H200's 132 SMs idle.
@@ -31,6 +33,7 @@ Triton's GEMMs run as fast a FLOP as cuBLAS's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import sys
@@ -84,6 +87,30 @@ class NoGemms:
         return a.new_empty(a.shape[1], b.shape[1])
 
 
+# --sweep: packed tiles beside the shipped ones (rnnt/kernels/packed_gemm.py's constants), one
+# change each: Triton's usual fp16 shapes on Hopper, larger and deeper than the shipped ones
+SWEEP = {
+    "rows 128x256x64 w8": {"ROWS_TILE": (128, 256, 64), "ROWS_WARPS": 8},
+    "rows 128x128x64 w4 s4": {"ROWS_TILE": (128, 128, 64), "ROWS_STAGES": 4},
+    "grad 128x256x64 w8": {"GRAD_TILE": (128, 256, 64)},
+    "grad 256x128x64 w8": {"GRAD_TILE": (256, 128, 64)},
+    "grad 128x128x64 s4": {"GRAD_STAGES": 4},
+}
+
+
+@contextlib.contextmanager
+def overridden(module, values: dict):
+    """The module's attributes set to `values` inside the block, and back after."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def training_batches(count: int, seed: int) -> list[tuple[int, np.ndarray]]:
     """(bucket length, spliced frames per utterance longest first) of `count` random batches."""
     cfg = load_config(str(CONFIG), [])
@@ -113,6 +140,16 @@ def rows_read(lengths: np.ndarray, steps: int, tile_rows: int | None) -> float:
         return 1.0
     longest = np.minimum(lengths.reshape(-1, tile_rows).max(1), steps)
     return float(longest.sum() * tile_rows) / (steps * lengths.size)
+
+
+def output_rows_read(lengths: np.ndarray, steps: int, tile_rows: int) -> float:
+    """Share of the (steps x batch) rows that `rows` (one output row a frame) reads: its tiles
+    take `tile_rows` consecutive rows of the time-major buffer, across a step's end where the
+    batch is no multiple of them, and a tile is read when any of its rows is a real frame."""
+    real = (np.arange(steps)[:, None] < lengths[None, :]).ravel()
+    tiles = -(-real.size // tile_rows)
+    live = np.pad(real, (0, tiles * tile_rows - real.size)).reshape(tiles, tile_rows).any(1)
+    return float(live.sum() * tile_rows) / real.size
 
 
 def random_stack(stack: str, steps: int, frames: np.ndarray, device) -> dict:
@@ -185,8 +222,7 @@ def gemm_flops(stack: str, steps: int, frames: np.ndarray, grad_rows: int | None
     by_frame = (k_in if k_in > hidden else 0) + (k_in if stack == "post" else 0)
     weights = k_in + hidden + (n_layers - 1) * 2 * hidden
     packed = grad_rows is not None
-    rows_tile = packed_gemm.ROWS_TILE[0]
-    by_frame_rows = rows_read(frames, steps, rows_tile if packed else None)
+    by_frame_rows = output_rows_read(frames, steps, packed_gemm.ROWS_TILE[0]) if packed else 1.0
     weight_rows = rows_read(frames, steps, grad_rows)
     return per_row * steps * BATCH * (by_frame * by_frame_rows + weights * weight_rows)
 
@@ -201,27 +237,26 @@ def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> lis
         y = forward(case, None, gemms, keyed)
         return y.detach()[case["real"]], *torch.autograd.grad(y, case["params"], case["dy"])
 
-    # (name, weight-gradient tile rows or None for dense, row keys): the dense stack with the
+    # (name, GEMMs, row keys, packed_gemm's constants for the case): the dense stack with the
     # keys prices the keyed wave kernels that packed stacks run in the trainer
-    cases = [("dense", None, False), ("dense, row keys", None, True)]
-    cases += [(f"packed, {rows}-row tiles", rows, True) for rows in args.grad_rows]
+    grad_mn = packed_gemm.GRAD_TILE[:2]
+    cases = [("dense", "dense", False, {}), ("dense, row keys", "dense", True, {})]
+    cases += [
+        (f"packed, {rows}-row tiles", "packed", True, {"GRAD_TILE": (*grad_mn, rows)})
+        for rows in args.grad_rows
+    ]
+    if args.sweep:
+        cases += [(f"packed, {name}", "packed", True, tiles) for name, tiles in SWEEP.items()]
     want = outputs("dense", False)
-    # lstm_stack builds its dense GEMMs object itself, so the bench swaps the class
-    dense_gemms, lstm_wave.DenseGemms = lstm_wave.DenseGemms, NoGemms
-    try:
+    with overridden(lstm_wave, {"DenseGemms": NoGemms}):
         copies_ms = graph_ms(run(NoWaves(), "dense", False), args.repeats)
-    finally:
-        lstm_wave.DenseGemms = dense_gemms
     results = []
-    for name, tile_rows, keyed in cases:
-        gemms = "dense" if tile_rows is None else "packed"
+    for name, gemms, keyed, tiles in cases:
         # lstm_stack takes the module's tiles (no user chooses them), so the bench swaps them
-        grad_tile = packed_gemm.GRAD_TILE
-        if tile_rows is not None:
-            packed_gemm.GRAD_TILE = (*grad_tile[:2], tile_rows)
-        try:
+        with overridden(packed_gemm, tiles):
+            grad_rows = packed_gemm.GRAD_TILE[2] if gemms == "packed" else None
             error = None
-            if tile_rows is not None or keyed:
+            if name != "dense":
                 got = outputs(gemms, keyed)
                 error = max(
                     ((g.float() - w.float()).norm() / w.float().norm()).item()
@@ -231,18 +266,16 @@ def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> lis
                 "stack": stack,
                 "steps": steps,
                 "case": name,
-                "rows": rows_read(frames, steps, tile_rows),
+                "rows": rows_read(frames, steps, grad_rows),
                 "real_frames": float(frames.clip(max=steps).sum()) / (steps * BATCH),
                 "max_relative_error": error,
                 "copies_ms": copies_ms,
                 "gemms_ms": graph_ms(run(NoWaves(), gemms, keyed), args.repeats),
                 "stack_ms": graph_ms(run(None, gemms, keyed), args.repeats),  # default kernels
-                "gemm_tflop": gemm_flops(stack, steps, frames, tile_rows) / 1e12,
+                "gemm_tflop": gemm_flops(stack, steps, frames, grad_rows) / 1e12,
             }
-            own_ms = max(row["gemms_ms"] - copies_ms, 1e-3)
-            row["gemm_tflops"] = row["gemm_tflop"] / (own_ms / 1e3)
-        finally:
-            packed_gemm.GRAD_TILE = grad_tile
+        own_ms = max(row["gemms_ms"] - copies_ms, 1e-3)
+        row["gemm_tflops"] = row["gemm_tflop"] / (own_ms / 1e3)
         results.append(row)
     return results
 
@@ -322,6 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         help="batch rows per tile that the weight gradients skip by (divisors of 192, >= 16)",
     )
     parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time packed with each of SWEEP's other tiles (64-row weight-gradient tiles)",
+    )
+    parser.add_argument(
         "--beside",
         type=int,
         nargs="*",
@@ -351,13 +389,13 @@ def main(argv: list[str] | None = None) -> int:
                 overlap.append({"batch": number, **row})
     print(f"{torch.cuda.get_device_name(device)}, batch {BATCH}, fp16, medians of {args.repeats}")
     print(
-        f"{'batch':>5} {'stack':5} {'steps':>5} {'case':22} {'rows':>5} {'real':>5} "
+        f"{'batch':>5} {'stack':5} {'steps':>5} {'case':30} {'rows':>5} {'real':>5} "
         f"{'copies ms':>9} {'gemms ms':>8} {'TFLOP/s':>7} {'stack ms':>8} {'error':>8}"
     )
     for r in results:
         error = "" if r["max_relative_error"] is None else f"{r['max_relative_error']:.1e}"
         print(
-            f"{r['batch']:5} {r['stack']:5} {r['steps']:5} {r['case']:22} {r['rows']:5.2f} "
+            f"{r['batch']:5} {r['stack']:5} {r['steps']:5} {r['case']:30} {r['rows']:5.2f} "
             f"{r['real_frames']:5.2f} {r['copies_ms']:9.2f} {r['gemms_ms']:8.2f} "
             f"{r['gemm_tflops']:7.0f} {r['stack_ms']:8.2f} {error:>8}"
         )

@@ -3,10 +3,13 @@ bucket and ordered by length; its row shares count what each case reads; and on 
 checks packed against dense and times both, and the post stack's weight gradients beside the
 pre stack's backward."""
 
+import argparse
+
 import numpy as np
 import pytest
 
 from bench import encoder_gemms
+from rnnt.kernels import lstm_wave, packed_gemm
 from tests.helpers import hopper_bench_results
 
 
@@ -92,3 +95,47 @@ def test_packed_matches_dense_and_both_are_timed_on_a_hopper_gpu(repo_root, tmp_
             assert packed["real_frames"] <= packed["rows"] < 1.0
             assert packed["max_relative_error"] < 2e-2
             assert packed["gemms_ms"] > 0 and packed["stack_ms"] > 0
+
+
+def test_each_case_times_its_own_tiles_and_leaves_the_shipped_ones(monkeypatch):
+    """The cases' logic on the CPU (a small stack under Triton's interpreter, a stand-in for
+    the GPU timer): every case is checked against dense, the packed ones time the tiles they
+    name, and packed_gemm's constants are the shipped ones afterwards."""
+    shipped = {name: getattr(packed_gemm, name) for name in ("ROWS_TILE", "GRAD_TILE")}
+    seen = []
+
+    def timer(fn, repeats):
+        fn()
+        seen.append((lstm_wave.DenseGemms, packed_gemm.ROWS_TILE, packed_gemm.GRAD_TILE))
+        return 1.0 + len(seen)
+
+    monkeypatch.setattr(encoder_gemms, "graph_ms", timer)
+    monkeypatch.setattr(encoder_gemms, "STACKS", {"post": (64, 2)})
+    monkeypatch.setattr(lstm_wave, "HIDDEN", 32)
+    frames = np.sort(np.random.default_rng(0).integers(1, 5, encoder_gemms.BATCH))[::-1].copy()
+    args = argparse.Namespace(grad_rows=[32], sweep=True, repeats=1)
+    rows = encoder_gemms.bench_batch("post", 4, frames, args, "cpu")
+    names = [r["case"] for r in rows]
+    assert names[:3] == ["dense", "dense, row keys", "packed, 32-row tiles"]
+    assert names[3:] == [f"packed, {name}" for name in encoder_gemms.SWEEP]
+    assert all(r["max_relative_error"] < 1e-3 for r in rows[1:])  # fp16 buffers
+    assert seen[0][0] is encoder_gemms.NoGemms  # the copies alone
+    # per case: gemms then stack, each with the case's tiles
+    tiles = [t for _, *t in seen[1::2]]
+    assert tiles[2] == [shipped["ROWS_TILE"], (*shipped["GRAD_TILE"][:2], 32)]
+    for (_, sweep), (rows_tile, grad_tile) in zip(encoder_gemms.SWEEP.items(), tiles[3:]):
+        assert rows_tile == sweep.get("ROWS_TILE", shipped["ROWS_TILE"])
+        assert grad_tile == sweep.get("GRAD_TILE", shipped["GRAD_TILE"])
+    assert rows[2]["rows"] == encoder_gemms.rows_read(frames, 4, 32)
+    assert {name: getattr(packed_gemm, name) for name in shipped} == shipped
+    assert lstm_wave.DenseGemms is not encoder_gemms.NoGemms
+
+
+def test_output_row_tiles_run_across_a_steps_end():
+    # batch 3, steps 2: real rows (t-major) 1 1 0 / 1 0 0; tiles of 2: [1 1] [0 1] [0 0]
+    lengths = np.array([2, 1, 0])
+    assert encoder_gemms.output_rows_read(lengths, 2, 2) == 4 / 6
+    assert encoder_gemms.output_rows_read(lengths, 2, 4) == 4 / 6  # [1 1 0 1] [0 0 pad pad]
+    # with tiles that divide the batch, as the weight gradients' row share
+    frames = np.sort(np.random.default_rng(1).integers(0, 30, 192))[::-1].copy()
+    assert encoder_gemms.output_rows_read(frames, 30, 64) == encoder_gemms.rows_read(frames, 30, 64)
