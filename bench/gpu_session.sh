@@ -236,7 +236,7 @@ case "$phase" in
   gemms)
     # model.encoder_gemms: the wave stacks' GEMMs and the stacks alone, dense against packed;
     # then the real Trainer's step with each, taking turns ROUNDS (2) times
-    python3 bench/encoder_gemms.py --grad-rows 64 32 --json "$OUT/encoder_gemms.json" 2>&1 \
+    python3 bench/encoder_gemms.py --grad-rows 64 32 --sweep --json "$OUT/encoder_gemms.json" 2>&1 \
       | tee "$OUT/encoder_gemms.log"
     for round in $(seq "${ROUNDS:-2}"); do
       for gemms in dense packed; do
