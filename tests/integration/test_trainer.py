@@ -138,12 +138,12 @@ def test_resume_mid_epoch_continues_exactly(
 
 def test_the_wave_encoders_gemms_over_real_frames_train_the_dense_runs_losses(corpus, tmp_path):
     """model.encoder_gemms: packed (the rows ordered by length; Triton's interpreter here)
-    against dense, an epoch each, without the encoder's dropout, whose masks follow the rows:
-    the same losses to fp32 rounding, and the backend line says which ran."""
+    against dense, an epoch each, the encoder's dropout on (its masks follow the utterance, not
+    the row): the same losses to fp32 rounding, and the backend line says which ran."""
     runs = {}
     for gemms in ("dense", "packed"):
         out = tmp_path / gemms
-        extra = ("model.encoder_lstm=wave", f"model.encoder_gemms={gemms}", "model.enc_dropout=0")
+        extra = ("model.encoder_lstm=wave", f"model.encoder_gemms={gemms}", "model.enc_dropout=0.2")
         Trainer(make_cfg(corpus, out, *extra, "training.epochs=1"), CPU).fit()
         (chosen,) = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "backends"]
         runs[gemms] = (chosen["encoder_lstm"], losses(out))
