@@ -601,6 +601,89 @@ def test_the_packed_wave_encoder_draws_the_dense_encoders_dropout_masks():
         torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+def stack_time_of(lens, factor=2):
+    from rnnt.model import StackTime
+
+    return lambda y: StackTime(factor)(y, lens)[0]
+
+
+@pytest.mark.parametrize("beside", [None, 0, 24])
+def test_two_stacks_as_one_node_are_the_two_stacks(beside):
+    """lstm_stack_pair against two lstm_stack calls and the stack-time between them: the same
+    outputs and gradients (ragged lengths, row keys, dropout, seeds drawn in the same order)."""
+    steps, batch, k_in, hidden, p = 9, 192, 64, 32, 0.2
+    first = random_stack(k_in, hidden, 2, dtype=torch.float32)
+    second = random_stack(2 * hidden, hidden, 2, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(steps, batch, k_in, generator=gen, requires_grad=True)
+    lens = torch.randint(1, steps + 1, (batch,), generator=gen).sort(descending=True).values
+    order = torch.randperm(batch, generator=gen)
+    post_lens = (lens + 1) // 2
+    between = stack_time_of(lens)
+    real = torch.arange(5)[:, None] < post_lens[None, :]
+    dy = torch.randn(5, batch, hidden, generator=gen) * real[..., None]
+    params = [x, *flat(first), *flat(second)]
+    torch.manual_seed(3)
+    y1 = lstm_stack(x, first, p, lengths=lens, gemms="packed", row_keys=order)
+    y = lstm_stack(between(y1), second, p, lengths=post_lens, gemms="packed", row_keys=order)
+    want = torch.autograd.grad(y, params, dy)
+    torch.manual_seed(3)
+    y_pair = lstm_wave.lstm_stack_pair(
+        x, first, second, p, between, (5, batch, 2 * hidden), lens, post_lens, order, beside
+    )
+    got = torch.autograd.grad(y_pair, params, dy)
+    torch.testing.assert_close(y_pair[real], y[real], rtol=1e-5, atol=1e-6)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_two_stacks_as_one_node_refuse_what_needs_padding():
+    first = random_stack(64, 32, 1, dtype=torch.float32)
+    second = random_stack(64, 32, 1, dtype=torch.float32)
+    x = torch.randn(4, 100, 64)
+    lens = torch.full((100,), 4)
+    with pytest.raises(ValueError, match="batch must be a multiple of 192 rows"):
+        lstm_wave.lstm_stack_pair(
+            x, first, second, 0.1, stack_time_of(lens), (2, 100, 64), lens, (lens + 1) // 2
+        )
+    x = torch.randn(4, 192, 64)
+    lens = torch.full((192,), 4)
+    with pytest.raises(ValueError, match=r"between gives \(2, 192, 64\), the second stack takes"):
+        lstm_wave.lstm_stack_pair(
+            x, first, second, 0.1, stack_time_of(lens), (3, 192, 64), lens, (lens + 1) // 2
+        )
+
+
+def test_the_packed_encoder_with_the_post_weight_gradients_beside_trains_the_same(monkeypatch):
+    """lstm_wave.BESIDE set: the encoder runs both stacks as one node (lstm_stack_pair), with
+    the same f and gradients as two stacks, dropout on."""
+    kw = dict(enc_n_hid=32, in_feats=64, enc_dropout=0.3, encoder_lstm="wave")
+    model = RNNT(tiny_cfg(encoder_gemms="packed", **kw)).train()
+    x = torch.randn(11, 192, 64)
+    lens = torch.randint(1, 12, (192,), generator=torch.Generator().manual_seed(2))
+    calls = []
+    real_pair = lstm_wave.lstm_stack_pair
+    monkeypatch.setattr(
+        lstm_wave,
+        "lstm_stack_pair",
+        lambda *a, **k: calls.append(k["beside"]) or real_pair(*a, **k),
+    )
+    outs = []
+    for beside in (None, 36):
+        monkeypatch.setattr(lstm_wave, "BESIDE", beside)
+        model.zero_grad()
+        torch.manual_seed(8)
+        f, f_lens = model.encoder(x, lens)
+        real = torch.arange(f.shape[1])[None, :] < f_lens[:, None]
+        f[real].square().sum().backward()
+        outs.append((f[real], {n: q.grad.clone() for n, q in model.encoder.named_parameters()}))
+    assert calls == [36]
+    (f1, g1), (f2, g2) = outs
+    torch.testing.assert_close(f2, f1, rtol=1e-5, atol=1e-6)
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_packed_gemms_need_the_wave_lstm_and_a_place_for_triton(monkeypatch):
     with pytest.raises(ConfigError, match="model.encoder_gemms: packed applies to the wave"):
         tiny_cfg(encoder_gemms="packed")  # model.encoder_lstm: cudnn
@@ -1025,6 +1108,64 @@ def test_gpu_packed_gemms_give_the_dense_stacks_results_and_read_lengths_in_a_gr
     torch.cuda.synchronize()
     eager = run(other_lengths, other_dy, "packed")
     for got, want in zip(captured, eager):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_the_post_weight_gradients_beside_give_the_same_bits_eager_and_in_a_graph():
+    """lstm_stack_pair at the encoder's shapes: the second stack's weight gradients on a side
+    stream (capped grid, full grid) give the bits of computing them after the first stack's
+    backward; captured in a CUDA graph with the side stream, a replay gives the eager bits."""
+    steps, batch, hidden = 40, 192, lstm_wave.HIDDEN
+    half = dict(dtype=torch.float16, device="cuda", scale=0.03)
+    first, second = random_stack(256, hidden, 2, **half), random_stack(2048, hidden, 3, **half)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(steps, batch, 256, device="cuda", generator=gen).half()
+    lens = torch.randint(1, steps + 1, (batch,), device="cuda", generator=gen)
+    lens = lens.sort(descending=True).values
+    post_lens, order = (lens + 1) // 2, torch.randperm(batch, device="cuda", generator=gen)
+    real = torch.arange(steps // 2, device="cuda")[:, None] < post_lens[None, :]
+    dy = (torch.randn(steps // 2, batch, hidden, device="cuda", generator=gen) * 0.01) * real[
+        ..., None
+    ]
+    dy = dy.half()
+    params = [*flat(first), *flat(second)]
+
+    def run(beside, p=0.1):
+        torch.manual_seed(5)
+        y = lstm_wave.lstm_stack_pair(
+            x,
+            first,
+            second,
+            p,
+            stack_time_of(lens),
+            (steps // 2, batch, 2048),
+            lens,
+            post_lens,
+            order,
+            beside,
+        )
+        return y.detach(), *torch.autograd.grad(y, params, dy)
+
+    after = run(None)
+    for beside in (36, 0):
+        for got, want in zip(run(beside), after):
+            assert torch.equal(got, want), beside
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run(36, p=0.0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = run(36, p=0.0)
+    torch.cuda.current_stream().wait_stream(stream)
+    for t in captured:
+        t.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, run(36, p=0.0)):
         assert torch.equal(got, want)
 
 
