@@ -17,9 +17,10 @@ post-RNN: 3 layers, 2048 inputs, half as many frames), fp16, dropout 0.1:
 Cases: dense; dense with the rows' dropout keys (the keyed wave kernels that the trainer's
 packed stacks run, whose price this case shows); packed with each --grad-rows, with the keys;
 with --sweep, packed with each of SWEEP's other tiles, one change from the shipped ones each.
-With --beside, also the post stack's weight gradients (packed) on a side stream, forked when
-the pre stack's backward starts, on grids of a few programs: whether they hide beside the
-waves, which leave 36 of an H100's or H200's 132 SMs idle.
+With --beside, also both stacks as the encoder runs them with packed GEMMs
+(lstm_wave.lstm_stack_pair): the post stack's weight gradients after the pre stack's backward,
+and on a side stream beside its backward waves (which leave 36 of an H100's or H200's 132 SMs
+idle) on grids of a few programs.
 Each case is captured in a CUDA graph and timed with CUDA events (medians of --repeats
 replays); the cases take turns on each batch. Before timing, each other case's outputs at the
 real frames and its gradients are checked against dense's. `rows` is the share of the bucket's
@@ -54,6 +55,7 @@ from rnnt.data.augment import spliced_length  # noqa: E402
 from rnnt.data.synthetic import perturbed_frames, read_lengths_table  # noqa: E402
 from rnnt.graphs import BucketTable, bucket_lengths, max_spliced_frames  # noqa: E402
 from rnnt.kernels import lstm_wave, packed_gemm  # noqa: E402
+from rnnt.model import StackTime  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "baseline_v3-1023sp.yaml"
@@ -281,16 +283,42 @@ def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> lis
 
 
 def bench_beside(bucket: int, frames: np.ndarray, args, device) -> list[dict]:
-    """The post stack's six weight gradients (packed, on grids of --beside programs) on a side
-    stream, forked when the pre stack's backward starts, as the encoder's backward could run
-    them; against each alone. What `beside` saves over the two alone is what overlapping
-    them would."""
+    """Both stacks and the stack-time between them, forward + backward, as the encoder runs
+    them with packed GEMMs (lstm_wave.lstm_stack_pair): the post stack's weight gradients
+    after the pre stack's backward (two stacks, today's path), and beside its backward waves
+    on a side stream on grids of --beside programs; and those weight gradients alone on each
+    grid. What `beside` saves over `after` is what overlapping them does."""
     pre = random_stack("pre", bucket, frames, device)
     steps = math.ceil(bucket / 2)
-    lengths = torch.from_numpy((frames + 1) // 2).to(device)
-    gemms = packed_gemm.PackedGemms(lengths, steps)
+    post_frames = (frames + 1) // 2
+    post = random_stack("post", steps, post_frames, device)
+    lengths, post_lengths = pre["lengths"], post["lengths"]
+    params = pre["params"] + [t for w in post["layers"] for t in w]
+    stack_time = StackTime(2)
+
+    def pair(beside):
+        def run():
+            for param in params:
+                param.grad = None
+            y = lstm_wave.lstm_stack_pair(
+                pre["x"],
+                pre["layers"],
+                post["layers"],
+                DROPOUT,
+                lambda y: stack_time(y, lengths)[0],
+                (steps, BATCH, STACKS["post"][0]),
+                lengths,
+                post_lengths,
+                row_keys=pre["row_keys"],
+                beside=beside,
+            )
+            y.backward(post["dy"])
+
+        return run
+
+    gemms = packed_gemm.PackedGemms(post_lengths, steps)
     gen = torch.Generator(device=device).manual_seed(1)
-    real = (torch.arange(steps, device=device)[:, None] < lengths[None, :]).reshape(-1, 1)
+    real = post["real"].reshape(-1, 1)
     rows, hidden = steps * BATCH, lstm_wave.HIDDEN
 
     def operand(width):
@@ -299,7 +327,6 @@ def bench_beside(bucket: int, frames: np.ndarray, args, device) -> list[dict]:
     gate_grads = [operand(4 * hidden) * real for _ in range(3)]
     inputs = [operand(STACKS["post"][0]), operand(hidden), operand(hidden)]
     states = [operand(hidden) for _ in range(3)]
-    side = torch.cuda.Stream()
 
     def weight_grads(programs):
         def run():
@@ -309,23 +336,8 @@ def bench_beside(bucket: int, frames: np.ndarray, args, device) -> list[dict]:
 
         return run
 
-    def beside(programs):
-        def run():
-            y = forward(pre, None, "packed")
-            main = torch.cuda.current_stream()
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                weight_grads(programs)()
-            y.backward(pre["dy"])
-            main.wait_stream(side)
-
-        return run
-
     results = [
-        {
-            "case": "pre stack alone",
-            "ms": graph_ms(lambda: forward(pre, None, "packed").backward(pre["dy"]), args.repeats),
-        }
+        {"case": "two stacks, post weight grads after", "ms": graph_ms(pair(None), args.repeats)}
     ]
     for programs in args.beside:
         label = "full grid" if programs == 0 else f"{programs} programs"
@@ -337,9 +349,9 @@ def bench_beside(bucket: int, frames: np.ndarray, args, device) -> list[dict]:
             }
         )
         results.append(
-            {"case": f"beside the pre stack, {label}", "ms": graph_ms(beside(cap), args.repeats)}
+            {"case": f"beside the pre stack, {label}", "ms": graph_ms(pair(programs), args.repeats)}
         )
-    return [{"stack": "pre + post dW", "steps": bucket, **r} for r in results]
+    return [{"stack": "pre + post", "steps": bucket, **r} for r in results]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         nargs="*",
         default=[0, 36, 24],
-        help="also time the post stack's weight gradients on a side stream beside the pre "
-        "stack's backward, on grids of this many programs (0: one per work item)",
+        help="also time both stacks with the post stack's weight gradients on a side stream "
+        "beside the pre stack's backward, on grids of this many programs (0: one per work item)",
     )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
