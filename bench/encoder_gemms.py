@@ -3,7 +3,7 @@
 rnnt/kernels/packed_gemm.py).
 
     python bench/encoder_gemms.py [--batches 4] [--repeats 10] [--grad-rows 64 32] [--sweep]
-        [--beside 0 36 24] [--json F]
+        [--json F]
 
 Random training batches of 192 utterances from the shipped LibriSpeech lengths table, with the
 speed perturbation training draws (rnnt.data.synthetic), each padded to its CUDA-graph bucket
@@ -17,10 +17,6 @@ post-RNN: 3 layers, 2048 inputs, half as many frames), fp16, dropout 0.1:
 Cases: dense; dense with the rows' dropout keys (the keyed wave kernels that the trainer's
 packed stacks run, whose price this case shows); packed with each --grad-rows, with the keys;
 with --sweep, packed with each of SWEEP's other tiles, one change from the shipped ones each.
-With --beside, also both stacks as the encoder runs them with packed GEMMs
-(lstm_wave.lstm_stack_pair): the post stack's weight gradients after the pre stack's backward,
-and on a side stream beside its backward waves (which leave 36 of an H100's or H200's 132 SMs
-idle) on grids of a few programs.
 Each case is captured in a CUDA graph and timed with CUDA events (medians of --repeats
 replays); the cases take turns on each batch. Before timing, each other case's outputs at the
 real frames and its gradients are checked against dense's. `rows` is the share of the bucket's
@@ -55,7 +51,6 @@ from rnnt.data.augment import spliced_length  # noqa: E402
 from rnnt.data.synthetic import perturbed_frames, read_lengths_table  # noqa: E402
 from rnnt.graphs import BucketTable, bucket_lengths, max_spliced_frames  # noqa: E402
 from rnnt.kernels import lstm_wave, packed_gemm  # noqa: E402
-from rnnt.model import StackTime  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "baseline_v3-1023sp.yaml"
@@ -282,78 +277,6 @@ def bench_batch(stack: str, steps: int, frames: np.ndarray, args, device) -> lis
     return results
 
 
-def bench_beside(bucket: int, frames: np.ndarray, args, device) -> list[dict]:
-    """Both stacks and the stack-time between them, forward + backward, as the encoder runs
-    them with packed GEMMs (lstm_wave.lstm_stack_pair): the post stack's weight gradients
-    after the pre stack's backward (two stacks, today's path), and beside its backward waves
-    on a side stream on grids of --beside programs; and those weight gradients alone on each
-    grid. What `beside` saves over `after` is what overlapping them does."""
-    pre = random_stack("pre", bucket, frames, device)
-    steps = math.ceil(bucket / 2)
-    post_frames = (frames + 1) // 2
-    post = random_stack("post", steps, post_frames, device)
-    lengths, post_lengths = pre["lengths"], post["lengths"]
-    params = pre["params"] + [t for w in post["layers"] for t in w]
-    stack_time = StackTime(2)
-
-    def pair(beside):
-        def run():
-            for param in params:
-                param.grad = None
-            y = lstm_wave.lstm_stack_pair(
-                pre["x"],
-                pre["layers"],
-                post["layers"],
-                DROPOUT,
-                lambda y: stack_time(y, lengths)[0],
-                (steps, BATCH, STACKS["post"][0]),
-                lengths,
-                post_lengths,
-                row_keys=pre["row_keys"],
-                beside=beside,
-            )
-            y.backward(post["dy"])
-
-        return run
-
-    gemms = packed_gemm.PackedGemms(post_lengths, steps)
-    gen = torch.Generator(device=device).manual_seed(1)
-    real = post["real"].reshape(-1, 1)
-    rows, hidden = steps * BATCH, lstm_wave.HIDDEN
-
-    def operand(width):
-        return torch.randn(rows, width, generator=gen, device=device, dtype=torch.float16)
-
-    gate_grads = [operand(4 * hidden) * real for _ in range(3)]
-    inputs = [operand(STACKS["post"][0]), operand(hidden), operand(hidden)]
-    states = [operand(hidden) for _ in range(3)]
-
-    def weight_grads(programs):
-        def run():
-            for layer in range(3):
-                gemms.weight_grad(gate_grads[layer], inputs[layer], programs)
-                gemms.weight_grad(gate_grads[layer], states[layer], programs)
-
-        return run
-
-    results = [
-        {"case": "two stacks, post weight grads after", "ms": graph_ms(pair(None), args.repeats)}
-    ]
-    for programs in args.beside:
-        label = "full grid" if programs == 0 else f"{programs} programs"
-        cap = None if programs == 0 else programs
-        results.append(
-            {
-                "case": f"post weight grads alone, {label}",
-                "ms": graph_ms(weight_grads(cap), args.repeats),
-            }
-        )
-        results.append(
-            {"case": f"beside the pre stack, {label}", "ms": graph_ms(pair(programs), args.repeats)}
-        )
-    return [{"stack": "pre + post", "steps": bucket, **r} for r in results]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=4, help="random training batches")
@@ -371,23 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time packed with each of SWEEP's other tiles (64-row weight-gradient tiles)",
     )
-    parser.add_argument(
-        "--beside",
-        type=int,
-        nargs="*",
-        default=[0, 36, 24],
-        help="also time both stacks with the post stack's weight gradients on a side stream "
-        "beside the pre stack's backward, on grids of this many programs (0: one per work item)",
-    )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     bad = [r for r in args.grad_rows if r < 16 or BATCH % r or r & (r - 1)]
     if bad:
         parser.error(f"--grad-rows: {bad[0]} is no power of two >= 16 that divides {BATCH}")
-    if any(programs < 0 for programs in args.beside):
-        parser.error("--beside: grids of 0 (one program per work item) or more programs")
     device = hopper_device(parser)
-    results, overlap = [], []
+    results = []
     for number, (bucket, frames) in enumerate(training_batches(args.batches, args.seed)):
         post_frames = (frames + 1) // 2
         for stack, steps, lengths in (
@@ -396,9 +309,6 @@ def main(argv: list[str] | None = None) -> int:
         ):
             for row in bench_batch(stack, steps, lengths, args, device):
                 results.append({"batch": number, **row})
-        if args.beside:
-            for row in bench_beside(bucket, frames, args, device):
-                overlap.append({"batch": number, **row})
     print(f"{torch.cuda.get_device_name(device)}, batch {BATCH}, fp16, medians of {args.repeats}")
     print(
         f"{'batch':>5} {'stack':5} {'steps':>5} {'case':30} {'rows':>5} {'real':>5} "
@@ -417,9 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             dense = [r for r in results if r["stack"] == stack and r["case"] == "dense"]
             ratios = [r["stack_ms"] / d["stack_ms"] for r, d in zip(rows, dense)]
             print(f"{stack} {case}: stack time / dense, median {statistics.median(ratios):.3f}")
-    for r in overlap:
-        print(f"{r['batch']:5} {r['case']:45} {r['ms']:8.2f} ms")
-    write_results(args.json, device, results + overlap)
+    write_results(args.json, device, results)
     failed = [r for r in results if (r["max_relative_error"] or 0) > 2e-2]
     for r in failed:
         print(f"{r['case']} differs from dense: {r}", file=sys.stderr)

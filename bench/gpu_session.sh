@@ -9,8 +9,7 @@
 #   bash bench/gpu_session.sh loss        # bench/joint_loss.py (issue: fused joint + loss)
 #   bash bench/gpu_session.sh step        # bench/train_step.py eager vs graphs, wave vs cuDNN LSTM
 #   bash bench/gpu_session.sh gemms       # bench/encoder_gemms.py: the wave stacks' GEMMs dense
-#                                         # vs packed; the Trainer's step with each and with
-#                                         # packed --beside BESIDE (36), ROUNDS (2) turns
+#                                         # vs packed; the Trainer's step with each (ROUNDS, 2)
 #   bash bench/gpu_session.sh lstm        # bench/encoder_lstm.py: cuDNN vs the wave kernels per stack;
 #                                         # bench/wave_tile_skip.py: what per-tile skipping saves;
 #                                         # bench/wave_anatomy.py: where a wave step's time goes
@@ -236,19 +235,14 @@ case "$phase" in
     fi ;;
   gemms)
     # model.encoder_gemms: the wave stacks' GEMMs and the stacks alone, dense against packed;
-    # then the real Trainer's step with each, and packed with the post stack's weight gradients
-    # beside the pre stack's waves (BESIDE programs, 36), taking turns ROUNDS (2) times
+    # then the real Trainer's step with each, taking turns ROUNDS (2) times
     python3 bench/encoder_gemms.py --grad-rows 64 32 --sweep --json "$OUT/encoder_gemms.json" 2>&1 \
       | tee "$OUT/encoder_gemms.log"
     for round in $(seq "${ROUNDS:-2}"); do
-      for run in dense packed beside; do
-        args=(--set model.encoder_gemms=packed)
-        case $run in
-          dense) args=(--set model.encoder_gemms=dense) ;;
-          beside) args+=(--beside "${BESIDE:-36}") ;;
-        esac
-        python3 bench/train_step.py --batch-sizes 192 --num-cg 4 --steps 30 "${args[@]}" \
-          --json "$OUT/train_step_${run}_$round.json" 2>&1 | tee "$OUT/train_step_${run}_$round.log"
+      for gemms in dense packed; do
+        python3 bench/train_step.py --batch-sizes 192 --num-cg 4 --steps 30 \
+          --set model.encoder_gemms="$gemms" --json "$OUT/train_step_${gemms}_$round.json" 2>&1 \
+          | tee "$OUT/train_step_${gemms}_$round.log"
       done
     done ;;
   lstm)

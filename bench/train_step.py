@@ -17,9 +17,7 @@ product timed in the same run (`rnnt.flops` counts the FLOPs from each utterance
 blocks training for, and the write. Under torchrun every rank runs its steps (batch sizes are
 per GPU) and rank 0 reports: its step time includes waiting for the collectives.
 `--wave-variants F B` runs the wave LSTM kernels' launch variants F and B instead of the defaults:
-a kernel change timed in the real step, against the defaults in the same call. `--beside P`
-(with `--set model.encoder_gemms=packed`) runs the encoder's post-RNN weight gradients beside
-its pre-RNN backward waves on a grid of P programs (rnnt/kernels/lstm_wave.py: BESIDE).
+a kernel change timed in the real step, against the defaults in the same call.
 With several ranks it also reports the exposed communication: the time, per step, during
 which the compute stream waits for the gradients' reduce-scatter (what the backward did not
 hide) and for the weights' all-gather, from CUDA events recorded by the optimizer.
@@ -295,14 +293,6 @@ def main(argv: list[str] | None = None) -> int:
         "to time one against another in the real Trainer",
     )
     parser.add_argument(
-        "--beside",
-        type=int,
-        default=None,
-        metavar="PROGRAMS",
-        help="the post-RNN weight gradients beside the pre-RNN backward waves, on a grid of this "
-        "many programs (0: one per work item); needs model.encoder_gemms=packed",
-    )
-    parser.add_argument(
         "--checkpoint-cost",
         action="store_true",
         help="also time a full checkpoint of the trained state (background and total)",
@@ -323,12 +313,6 @@ def main(argv: list[str] | None = None) -> int:
             lstm_wave.use_variants(*args.wave_variants)
         except (ValueError, BuildError) as e:
             parser.error(f"--wave-variants: {e}")
-    if args.beside is not None:
-        if args.beside < 0:
-            parser.error("--beside: a grid of 0 (one program per work item) or more programs")
-        if "model.encoder_gemms=packed" not in args.overrides:
-            parser.error("--beside needs --set model.encoder_gemms=packed")
-        lstm_wave.BESIDE = args.beside
     peak = matmul_peak_flops(ctx.device)
     rows = []
     for batch_size in args.batch_sizes:
@@ -350,7 +334,6 @@ def main(argv: list[str] | None = None) -> int:
             "lengths_tsv": args.lengths_tsv,
             "average_lengths": args.average_lengths,
             "wave_variants": args.wave_variants,
-            "beside": args.beside,
             "matmul_peak_tflops": peak / 1e12,
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

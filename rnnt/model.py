@@ -197,10 +197,6 @@ class StackedLSTM(nn.Module):
         """Per layer (w_ih, w_hh, b_ih, b_hh), the nn.LSTM parameters themselves."""
         return lstm_layer_weights(self.layers[0])
 
-    @property
-    def input_size(self) -> int:
-        return self.layers[0].input_size
-
     def forward(
         self,
         x: torch.Tensor,
@@ -298,49 +294,17 @@ class Encoder(nn.Module):
         # end. Each row's dropout key is its place in the batch's order, so an utterance draws
         # the mask it would draw with dense GEMMs.
         order = None
-        packed = [rnn.runs_packed(x) for rnn in (self.pre_rnn, self.post_rnn)]
-        if any(packed):
+        if any(rnn.runs_packed(x) for rnn in (self.pre_rnn, self.post_rnn)):
             order = torch.argsort(lens, descending=True, stable=True)
             x, lens = x.index_select(1, order), lens.index_select(0, order)
-        if all(packed) and lstm_wave.BESIDE is not None and self._fits_one_node(x):
-            x, lens = self._stacks_as_one(x, lens, order)
-        else:
-            x, _ = self.pre_rnn(x, lengths=lens, row_keys=order)
-            x, lens = self.stack_time(x, lens)
-            x, _ = self.post_rnn(x, lengths=lens, row_keys=order)
+        x, _ = self.pre_rnn(x, lengths=lens, row_keys=order)
+        x, lens = self.stack_time(x, lens)
+        x, _ = self.post_rnn(x, lengths=lens, row_keys=order)
         f = self.joint_enc(x.transpose(0, 1))
         if order is not None:
             restore = torch.argsort(order)
             f, lens = f.index_select(0, restore), lens.index_select(0, restore)
         return f, lens
-
-    def _fits_one_node(self, x: torch.Tensor) -> bool:
-        """Whether lstm_wave.lstm_stack_pair takes x without padding it."""
-        widths = (x.shape[2], self.post_rnn.input_size)
-        return x.shape[1] % lstm_wave.BATCH_MULTIPLE == 0 and not any(
-            k % lstm_wave.INPUT_MULTIPLE for k in widths
-        )
-
-    def _stacks_as_one(self, x, lens, order):
-        """Both stacks and the stack-time between them as one autograd node, whose backward
-        runs the post stack's weight gradients beside the pre stack's backward waves
-        (lstm_wave.lstm_stack_pair)."""
-        pre, post = self.pre_rnn, self.post_rnn
-        post_lens = self.stack_time.output_lengths(lens)
-        post_shape = (-(-x.shape[0] // self.stack_time.factor), x.shape[1], post.input_size)
-        y = lstm_wave.lstm_stack_pair(
-            x,
-            pre.layer_weights(),
-            post.layer_weights(),
-            pre.dropout_p,
-            lambda y: self.stack_time(y, lens)[0],
-            post_shape,
-            lens,
-            post_lens,
-            row_keys=order,
-            beside=lstm_wave.BESIDE,
-        )
-        return y, post_lens
 
 
 class Prediction(nn.Module):

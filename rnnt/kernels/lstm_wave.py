@@ -15,9 +15,7 @@ Three implementations of one contract, so that each is checked against the next:
   the reference the CUDA kernels are compared with buffer by buffer;
 - `CudaKernels`: the sm_90a kernels.
 `lstm_stack` runs a stack through `_WaveStack` (autograd) with the CUDA kernels on a GPU and
-`TorchKernels` elsewhere. `lstm_stack_pair` runs the encoder's two stacks and the stack-time
-between them as one node, so that its backward can run the second stack's weight gradients on
-a side stream beside the first stack's backward waves (`BESIDE`, not yet the default).
+`TorchKernels` elsewhere.
 
 Dropout: a counter-based hash of (seed, layer, step, row key, unit) decides each keep
 (`keep_mask`), so the backward recomputes the mask instead of storing it. A row's key is its
@@ -35,7 +33,6 @@ computes.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,10 +59,6 @@ INPUT_MULTIPLE = 64  # one K stage of the kernels
 # same bits
 FORWARD_VARIANT = 2
 BACKWARD_VARIANT = 2
-# The encoder's post-RNN weight gradients beside its pre-RNN backward waves (lstm_stack_pair),
-# on a grid of this many programs (0: one per work item), where both stacks run packed GEMMs;
-# None: after them, as two stacks. bench/train_step.py --beside times it in the Trainer.
-BESIDE: int | None = None
 N_FACTORS = 6
 
 _M32 = 0xFFFFFFFF
@@ -518,145 +511,6 @@ class DenseGemms:
         return a.t() @ b
 
 
-@dataclasses.dataclass
-class _StackRun:
-    """What one stack's forward leaves for its backward: its settings, and the tensors its
-    backward reads (kept as the autograd Function's saved tensors in between)."""
-
-    kernels: object
-    gemms: object
-    p: float
-    steps: int
-    batch: int
-    k_in: int
-    n_layers: int
-    hidden: int
-    active: torch.Tensor | None  # None is a valid value: not saved with the tensors
-    row_keys: torch.Tensor | None  # the same
-    seed: torch.Tensor | None = None
-    x_rows: torch.Tensor | None = None
-    w: Sequence[torch.Tensor] = ()
-    hseq: Sequence[torch.Tensor] = ()
-    yseq: Sequence[torch.Tensor] = ()  # every layer's but the last (the stack's output)
-    factors: Sequence[torch.Tensor] = ()
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.seed, self.x_rows, *self.w, *self.hseq, *self.yseq, *self.factors]
-
-    def settings(self) -> _StackRun:
-        return dataclasses.replace(self, seed=None, x_rows=None, w=(), hseq=(), yseq=(), factors=())
-
-    def with_tensors(self, saved: Sequence[torch.Tensor]) -> _StackRun:
-        n = self.n_layers
-        seed, x_rows, *rest = saved
-        return dataclasses.replace(
-            self,
-            seed=seed,
-            x_rows=x_rows,
-            w=rest[:n],
-            hseq=rest[n : 2 * n],
-            yseq=rest[2 * n : 3 * n - 1],
-            factors=rest[3 * n - 1 :],
-        )
-
-
-def _stack_forward(
-    kernels, gemms, p, keep_factors, seed, active, row_keys, x, flat
-) -> tuple[torch.Tensor, _StackRun]:
-    """One stack's forward (see _WaveStack): its output (T, B, H) and what its backward needs."""
-    steps, batch, k_in = x.shape
-    n_layers, hidden = len(flat) // 4, flat[1].shape[1]
-    acc = TorchKernels._acc(x.dtype)
-    # recomputed per call (a few tiny kernels), not cached: a device tensor first made inside a
-    # CUDA-graph capture would hold nothing until the graph's first replay
-    perm = gate_permutation(hidden, x.device)
-    w = [torch.cat(flat[4 * l : 4 * l + 2], 1)[perm].contiguous() for l in range(n_layers)]
-    bias = [
-        (flat[4 * l + 2].to(acc) + flat[4 * l + 3].to(acc))[perm].contiguous()
-        for l in range(n_layers)
-    ]
-    rows = steps * batch
-    x_rows = x.reshape(rows, k_in)
-    hseq = [x.new_empty((rows + batch), hidden) for _ in range(n_layers)]
-    for h in hseq:
-        h[:batch].zero_()
-    yseq = [x.new_empty(rows, hidden) for _ in range(n_layers)]
-    cstate = [x.new_zeros(batch, hidden, dtype=acc) for _ in range(n_layers)]
-    factors = (
-        [x.new_empty(N_FACTORS, rows, hidden) for _ in range(n_layers)] if keep_factors else None
-    )
-    x_gates, w_run = None, w
-    if k_in > hidden:
-        # The first layer's cells would take the longest K of the stack and set the pace of
-        # every launch they share; its input part is one GEMM before the waves instead (as
-        # cuDNN does it), and its cells run W_hh alone.
-        x_gates = gemms.rows(x_rows, w[0][:, :k_in].T)
-        w_run = [w[0][:, k_in:].contiguous(), *w[1:]]
-    kernels.forward(
-        x_rows, hseq, yseq, cstate, factors, bias, w_run, p, seed, x_gates, active, row_keys
-    )
-    run = _StackRun(
-        kernels,
-        gemms,
-        p,
-        steps,
-        batch,
-        k_in,
-        n_layers,
-        hidden,
-        active,
-        row_keys,
-        seed,
-        x_rows,
-        w,
-        hseq,
-        yseq[:-1],
-        factors or [],
-    )
-    return yseq[-1].view(steps, batch, hidden), run
-
-
-def _stack_waves_backward(run: _StackRun, grad_y: torch.Tensor):
-    """The backward waves: the gate gradients dz per layer, and their partial sums per (step,
-    batch tile) from the kernels' epilogue (a separate reduction would read dz again)."""
-    rows, dtype = run.steps * run.batch, run.x_rows.dtype
-    acc = TorchKernels._acc(dtype)
-    kin = [run.k_in] + [run.hidden] * (run.n_layers - 1)
-    wt = [weight.t().contiguous() for weight in run.w]
-    dz = [run.x_rows.new_empty(rows, 4 * run.hidden) for _ in range(run.n_layers)]
-    dc = [run.x_rows.new_empty(run.batch, run.hidden, dtype=acc) for _ in range(run.n_layers)]
-    dbias = [run.x_rows.new_empty(rows // BATCH_TILE, 4 * run.hidden, dtype=acc) for _ in run.w]
-    dy = grad_y.to(dtype).contiguous().view(rows, run.hidden)
-    run.kernels.backward(
-        kin, wt, dz, run.factors, dc, dbias, dy, run.p, run.seed, run.active, run.row_keys
-    )
-    return dz, dbias
-
-
-def _stack_weight_grads(run: _StackRun, dz, dbias, programs: int | None = None) -> list:
-    """(w_ih, w_hh, b_ih, b_hh) gradients per layer, in nn.LSTM's order. `programs`: the
-    packed weight gradients on a grid of that many programs (PackedGemms.weight_grad)."""
-    # dz's columns are in the permuted gate order, so the weight gradients' rows are too
-    inverse = torch.argsort(gate_permutation(run.hidden, run.x_rows.device))
-    rows, dtype = run.steps * run.batch, run.x_rows.dtype
-    capped = {} if programs is None else {"programs": programs}
-    grads = []
-    for layer in range(run.n_layers):
-        inp = run.x_rows if layer == 0 else run.yseq[layer - 1]
-        grad_bias = dbias[layer].sum(0)[inverse].to(dtype)
-        grads += [
-            run.gemms.weight_grad(dz[layer], inp, **capped)[inverse],
-            run.gemms.weight_grad(dz[layer], run.hseq[layer][:rows], **capped)[inverse],
-            grad_bias,
-            grad_bias,
-        ]
-    return grads
-
-
-def _stack_input_grad(run: _StackRun, dz) -> torch.Tensor:
-    return run.gemms.rows(dz[0], run.w[0][:, : run.k_in]).view(run.steps, run.batch, run.k_in)
-
-
 class _WaveStack(torch.autograd.Function):
     """y = stack(x) through a kernels object (TorchKernels or CudaKernels) and a GEMMs object
     (DenseGemms or PackedGemms). x (T, B, K) with B a multiple of BATCH_MULTIPLE and K of
@@ -678,190 +532,85 @@ class _WaveStack(torch.autograd.Function):
         x: torch.Tensor,
         *flat: torch.Tensor,
     ):
-        y, run = _stack_forward(kernels, gemms, p, keep_factors, seed, active, row_keys, x, flat)
-        ctx.run = run.settings()
-        ctx.save_for_backward(*run.tensors())
-        return y
+        steps, batch, k_in = x.shape
+        n_layers, hidden = len(flat) // 4, flat[1].shape[1]
+        acc = TorchKernels._acc(x.dtype)
+        # recomputed per call (a few tiny kernels), not cached: a device tensor first made
+        # inside a CUDA-graph capture would hold nothing until the graph's first replay
+        perm = gate_permutation(hidden, x.device)
+        w = [torch.cat(flat[4 * l : 4 * l + 2], 1)[perm].contiguous() for l in range(n_layers)]
+        bias = [
+            (flat[4 * l + 2].to(acc) + flat[4 * l + 3].to(acc))[perm].contiguous()
+            for l in range(n_layers)
+        ]
+        rows = steps * batch
+        x_rows = x.reshape(rows, k_in)
+        hseq = [x.new_empty((rows + batch), hidden) for _ in range(n_layers)]
+        for h in hseq:
+            h[:batch].zero_()
+        yseq = [x.new_empty(rows, hidden) for _ in range(n_layers)]
+        cstate = [x.new_zeros(batch, hidden, dtype=acc) for _ in range(n_layers)]
+        factors = (
+            [x.new_empty(N_FACTORS, rows, hidden) for _ in range(n_layers)]
+            if keep_factors
+            else None
+        )
+        x_gates, w_run = None, w
+        if k_in > hidden:
+            # The first layer's cells would take the longest K of the stack and set the pace of
+            # every launch they share; its input part is one GEMM before the waves instead (as
+            # cuDNN does it), and its cells run W_hh alone.
+            x_gates = gemms.rows(x_rows, w[0][:, :k_in].T)
+            w_run = [w[0][:, k_in:].contiguous(), *w[1:]]
+        kernels.forward(
+            x_rows, hseq, yseq, cstate, factors, bias, w_run, p, seed, x_gates, active, row_keys
+        )
+        # not saved with the tensors: None is a valid value of each
+        ctx.active, ctx.row_keys = active, row_keys
+        ctx.save_for_backward(seed, x_rows, *w, *hseq, *yseq[:-1], *(factors or []))
+        ctx.meta = (kernels, gemms, p, steps, batch, k_in, n_layers, hidden)
+        return yseq[-1].view(steps, batch, hidden)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y: torch.Tensor):
-        run = ctx.run.with_tensors(ctx.saved_tensors)
-        dz, dbias = _stack_waves_backward(run, grad_y)
-        grads = _stack_weight_grads(run, dz, dbias)
-        grad_x = _stack_input_grad(run, dz) if ctx.needs_input_grad[7] else None
+        kernels, gemms, p, steps, batch, k_in, n_layers, hidden = ctx.meta
+        seed, x_rows, *rest = ctx.saved_tensors
+        w = rest[:n_layers]
+        hseq = rest[n_layers : 2 * n_layers]
+        yseq = rest[2 * n_layers : 3 * n_layers - 1]
+        factors = rest[3 * n_layers - 1 :]
+        rows, dtype = steps * batch, x_rows.dtype
+        acc = TorchKernels._acc(dtype)
+        kin = [k_in] + [hidden] * (n_layers - 1)
+        wt = [weight.t().contiguous() for weight in w]
+        dz = [x_rows.new_empty(rows, 4 * hidden) for _ in range(n_layers)]
+        dc = [x_rows.new_empty(batch, hidden, dtype=acc) for _ in range(n_layers)]
+        # the bias gradient in partial sums per (step, batch tile), from the kernels' epilogue: a
+        # separate reduction would read all of dz again
+        dbias = [x_rows.new_empty(rows // BATCH_TILE, 4 * hidden, dtype=acc) for _ in w]
+        dy = grad_y.to(dtype).contiguous().view(rows, hidden)
+        kernels.backward(kin, wt, dz, factors, dc, dbias, dy, p, seed, ctx.active, ctx.row_keys)
+        # dz's columns are in the permuted gate order, so the weight gradients' rows are too
+        inverse = torch.argsort(gate_permutation(hidden, x_rows.device))
+        grads = []
+        for layer in range(n_layers):
+            inp = x_rows if layer == 0 else yseq[layer - 1]
+            grad_bias = dbias[layer].sum(0)[inverse].to(dtype)
+            grads += [
+                gemms.weight_grad(dz[layer], inp)[inverse],
+                gemms.weight_grad(dz[layer], hseq[layer][:rows])[inverse],
+                grad_bias,
+                grad_bias,
+            ]
+        grad_x = None
+        if ctx.needs_input_grad[7]:
+            grad_x = gemms.rows(dz[0], w[0][:, :k_in]).view(steps, batch, k_in)
         return (None, None, None, None, None, None, None, grad_x, *grads)
-
-
-_side_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device)
-    return _side_streams[index]
-
-
-class _WaveStackPair(torch.autograd.Function):
-    """y = second(between(first(x))) as one autograd node, so that its backward can run the
-    second stack's weight gradients on a side stream beside the first stack's backward waves,
-    which leave about a quarter of an H100's or H200's SMs idle: on a grid of `beside`
-    programs (PackedGemms.weight_grad's cap), joined before the node returns. `first` and
-    `second`: (kernels, gemms, p, keep_factors, seed, active, row_keys) of each stack;
-    `between` a differentiable function of the first stack's output that gives the second's
-    input, of `second_shape` (the encoder's stack-time)."""
-
-    @staticmethod
-    def forward(ctx, first, second, between, second_shape, beside, x, n_first, *flat):
-        y1, run1 = _stack_forward(*first, x, flat[: 4 * n_first])
-        with torch.enable_grad():
-            mid_in = y1.detach().requires_grad_()
-            mid = between(mid_in)
-        if tuple(mid.shape) != tuple(second_shape):
-            raise ValueError(
-                f"lstm_stack_pair: between gives {tuple(mid.shape)}, the second stack takes "
-                f"{tuple(second_shape)}"
-            )
-        x2 = mid.detach().contiguous()
-        y2, run2 = _stack_forward(*second, x2, flat[4 * n_first :])
-        ctx.runs = (run1.settings(), run2.settings())
-        ctx.between = (mid_in, mid)
-        ctx.beside = beside
-        t1 = run1.tensors()
-        ctx.n_saved = len(t1)
-        ctx.save_for_backward(*t1, *run2.tensors())
-        return y2
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_y: torch.Tensor):
-        saved = ctx.saved_tensors
-        run1 = ctx.runs[0].with_tensors(saved[: ctx.n_saved])
-        run2 = ctx.runs[1].with_tensors(saved[ctx.n_saved :])
-        dz2, dbias2 = _stack_waves_backward(run2, grad_y)
-        grad_x2 = _stack_input_grad(run2, dz2)
-        side = _side_stream(grad_y.device) if grad_y.is_cuda and ctx.beside is not None else None
-        if side is None:
-            grads2 = _stack_weight_grads(run2, dz2, dbias2)
-        else:
-            # everything it reads is referenced until the join below, so no other stream can
-            # be handed its memory before the side stream is done with it
-            main = torch.cuda.current_stream(grad_y.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                grads2 = _stack_weight_grads(run2, dz2, dbias2, programs=ctx.beside or None)
-        mid_in, mid = ctx.between
-        (grad_y1,) = torch.autograd.grad(mid, mid_in, grad_x2)
-        dz1, dbias1 = _stack_waves_backward(run1, grad_y1)
-        grads1 = _stack_weight_grads(run1, dz1, dbias1)
-        grad_x = _stack_input_grad(run1, dz1) if ctx.needs_input_grad[5] else None
-        if side is not None:
-            main.wait_stream(side)
-        return (None, None, None, None, None, grad_x, None, *grads1, *grads2)
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-@dataclasses.dataclass
-class _Prepared:
-    """A stack's call as _WaveStack takes it, for an input of `shape` (T, B, K)."""
-
-    kernels: object
-    dtype: torch.dtype
-    pad_b: int
-    pad_k: int
-    flat: list[torch.Tensor]
-    seed: torch.Tensor
-    active: torch.Tensor | None
-    row_keys: torch.Tensor | None
-    gemms: object
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.dtype)
-        if self.pad_k or self.pad_b:  # F.pad copies even when it pads nothing
-            x = F.pad(x, (0, self.pad_k, 0, self.pad_b))
-        return x.contiguous()
-
-    def call(self, p: float, keep_factors: bool) -> tuple:
-        """What _stack_forward takes before the input and the weights."""
-        return (self.kernels, self.gemms, p, keep_factors, self.seed, self.active, self.row_keys)
-
-
-def _prepare(
-    what: str,
-    shape: tuple[int, int, int],
-    device: torch.device,
-    x_dtype: torch.dtype,
-    layers: Sequence[LayerWeights],
-    p: float,
-    seed: torch.Tensor | None,
-    kernels,
-    lengths: torch.Tensor | None,
-    gemms: str,
-    row_keys: torch.Tensor | None,
-) -> _Prepared:
-    steps, batch, k_in = shape
-    if seed is None and p > 0:
-        seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=device)
-    elif seed is None:
-        seed = torch.zeros(1, dtype=torch.int32, device=device)  # no mask reads it
-    if kernels is None and device.type == "cuda":
-        reason = unsupported(device, layers[0][1].shape[1], len(layers))
-        if reason is not None:
-            raise RuntimeError(f"model.encoder_lstm: the wave kernels cannot run: {reason}")
-        kernels = _cuda_kernels()
-    elif kernels is None:
-        kernels = TorchKernels()
-    dtype = torch.float16 if isinstance(kernels, CudaKernels) else x_dtype
-    pad_b = _round_up(batch, BATCH_MULTIPLE) - batch
-    pad_k = _round_up(k_in, INPUT_MULTIPLE) - k_in
-    flat = []
-    for index, weights in enumerate(layers):
-        w_ih, w_hh, b_ih, b_hh = (t.to(dtype) for t in weights)
-        if index == 0 and pad_k:
-            w_ih = F.pad(w_ih, (0, pad_k))
-        flat += [w_ih, w_hh, b_ih, b_hh]
-    if row_keys is not None and row_keys.shape != (batch,):
-        raise ValueError(
-            f"{what}: row_keys must be one per batch row, shape ({batch},), not "
-            f"{tuple(row_keys.shape)}"
-        )
-    if p == 0:
-        row_keys = None  # no mask to key: the kernels without key loads run
-    if row_keys is not None:
-        # the batch's padding rows take keys after the real rows' (their outputs are cut off)
-        pad_keys = torch.arange(batch, batch + pad_b, device=device)
-        row_keys = torch.cat([row_keys.to(device), pad_keys]).to(torch.int32).contiguous()
-    active = None
-    if lengths is not None:
-        if lengths.shape != (batch,):
-            raise ValueError(
-                f"{what}: lengths must be one per batch row, shape ({batch},), not "
-                f"{tuple(lengths.shape)}"
-            )
-        lengths = lengths.to(device)
-        active = lengths.amax().clamp(0, steps).to(torch.int32).reshape(1)
-    if gemms == "dense":
-        stack_gemms = DenseGemms()
-    elif gemms == "packed":
-        if lengths is None:
-            raise ValueError(f"{what}: gemms='packed' needs the lengths")
-        from rnnt.kernels.packed_gemm import PackedGemms  # Triton: only where it runs
-
-        # the batch's padding rows have no frame at all
-        stack_gemms = PackedGemms(F.pad(lengths, (0, pad_b)), steps)
-    else:
-        raise ValueError(f"{what}: gemms must be 'dense' or 'packed', not {gemms!r}")
-    return _Prepared(kernels, dtype, pad_b, pad_k, flat, seed, active, row_keys, stack_gemms)
-
-
-def _keeps_factors(x: torch.Tensor, flat: Sequence[torch.Tensor]) -> bool:
-    """Whether a backward may follow: a graph that nothing will differentiate (scoring,
-    no_grad) needs no factor planes."""
-    return torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in flat))
 
 
 def lstm_stack(
@@ -896,78 +645,65 @@ def lstm_stack(
     `row_keys` (B,) integers: each row's dropout key (keep_mask), by default its index. A
     caller that reorders the batch's rows passes each row's index before the reordering, so
     that an utterance draws the same mask wherever it runs."""
-    prep = _prepare(
-        "lstm_stack", x.shape, x.device, x.dtype, layers, p, seed, kernels, lengths, gemms, row_keys
-    )
-    batch = x.shape[1]
-    x = prep.pad(x)
-    call = prep.call(p, _keeps_factors(x, prep.flat))
-    y = _WaveStack.apply(*call, x, *prep.flat)
-    return y[:, :batch] if prep.pad_b else y
-
-
-def lstm_stack_pair(
-    x: torch.Tensor,
-    first_layers: Sequence[LayerWeights],
-    second_layers: Sequence[LayerWeights],
-    p: float,
-    between,
-    second_shape: tuple[int, int, int],
-    lengths: torch.Tensor,
-    second_lengths: torch.Tensor,
-    row_keys: torch.Tensor | None = None,
-    beside: int | None = None,
-    kernels: CudaKernels | TorchKernels | None = None,
-) -> torch.Tensor:
-    """second(between(first(x))) for two stacks with packed GEMMs, as lstm_stack gives it
-    (dropout p after every layer of each, their seeds drawn in the same order), in one autograd
-    node: its backward runs the second stack's weight gradients on a side stream beside the
-    first stack's backward waves, on a grid of `beside` programs (0: one per work item; None:
-    after them on the current stream, as two lstm_stack calls do). x (T, B, K) and the second
-    stack's input `second_shape` (T2, B, K2) need no padding: B a multiple of 192, K and K2 of
-    64. `lengths` and `second_lengths` (B,): each stack's; `row_keys` as lstm_stack's."""
-    first = _prepare(
-        "lstm_stack_pair",
-        x.shape,
-        x.device,
-        x.dtype,
-        first_layers,
-        p,
-        None,
-        kernels,
-        lengths,
-        "packed",
-        row_keys,
-    )
-    second = _prepare(
-        "lstm_stack_pair",
-        second_shape,
-        x.device,
-        first.dtype,
-        second_layers,
-        p,
-        None,
-        first.kernels,
-        second_lengths,
-        "packed",
-        row_keys,
-    )
-    if first.pad_b or first.pad_k or second.pad_k:
+    if seed is None and p > 0:
+        seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=x.device)
+    elif seed is None:
+        seed = torch.zeros(1, dtype=torch.int32, device=x.device)  # no mask reads it
+    if kernels is None and x.is_cuda:
+        reason = unsupported(x.device, layers[0][1].shape[1], len(layers))
+        if reason is not None:
+            raise RuntimeError(f"model.encoder_lstm: the wave kernels cannot run: {reason}")
+        kernels = _cuda_kernels()
+    elif kernels is None:
+        kernels = TorchKernels()
+    dtype = torch.float16 if isinstance(kernels, CudaKernels) else x.dtype
+    steps, batch, k_in = x.shape
+    pad_b = _round_up(batch, BATCH_MULTIPLE) - batch
+    pad_k = _round_up(k_in, INPUT_MULTIPLE) - k_in
+    x = x.to(dtype)
+    if pad_k or pad_b:  # F.pad copies even when it pads nothing
+        x = F.pad(x, (0, pad_k, 0, pad_b))
+    x = x.contiguous()
+    flat = []
+    for index, weights in enumerate(layers):
+        w_ih, w_hh, b_ih, b_hh = (t.to(dtype) for t in weights)
+        if index == 0 and pad_k:
+            w_ih = F.pad(w_ih, (0, pad_k))
+        flat += [w_ih, w_hh, b_ih, b_hh]
+    if row_keys is not None and row_keys.shape != (batch,):
         raise ValueError(
-            f"lstm_stack_pair: the batch must be a multiple of {BATCH_MULTIPLE} rows and each "
-            f"stack's input of {INPUT_MULTIPLE} features, not {tuple(x.shape)} and "
-            f"{tuple(second_shape)}"
+            f"lstm_stack: row_keys must be one per batch row, shape ({batch},), not "
+            f"{tuple(row_keys.shape)}"
         )
-    x = first.pad(x)
-    keep_factors = _keeps_factors(x, first.flat + second.flat)
-    return _WaveStackPair.apply(
-        first.call(p, keep_factors),
-        second.call(p, keep_factors),
-        between,
-        tuple(second_shape),
-        beside,
-        x,
-        len(first_layers),
-        *first.flat,
-        *second.flat,
+    if p == 0:
+        row_keys = None  # no mask to key: the kernels without key loads run
+    if row_keys is not None:
+        # the batch's padding rows take keys after the real rows' (their outputs are cut off)
+        pad_keys = torch.arange(batch, batch + pad_b, device=x.device)
+        row_keys = torch.cat([row_keys.to(x.device), pad_keys]).to(torch.int32).contiguous()
+    active = None
+    if lengths is not None:
+        if lengths.shape != (batch,):
+            raise ValueError(
+                f"lstm_stack: lengths must be one per batch row, shape ({batch},), not "
+                f"{tuple(lengths.shape)}"
+            )
+        lengths = lengths.to(x.device)
+        active = lengths.amax().clamp(0, steps).to(torch.int32).reshape(1)
+    if gemms == "dense":
+        stack_gemms = DenseGemms()
+    elif gemms == "packed":
+        if lengths is None:
+            raise ValueError("lstm_stack: gemms='packed' needs the lengths")
+        from rnnt.kernels.packed_gemm import PackedGemms  # Triton: only where it runs
+
+        # the batch's padding rows have no frame at all
+        stack_gemms = PackedGemms(F.pad(lengths, (0, pad_b)), steps)
+    else:
+        raise ValueError(f"lstm_stack: gemms must be 'dense' or 'packed', not {gemms!r}")
+    # a graph that nothing will differentiate (scoring, no_grad) needs no factor planes
+    keep_factors = torch.is_grad_enabled() and (
+        x.requires_grad or any(t.requires_grad for t in flat)
     )
+    y = _WaveStack.apply(kernels, stack_gemms, p, keep_factors, seed, active, row_keys, x, *flat)
+    return y[:, :batch] if pad_b else y

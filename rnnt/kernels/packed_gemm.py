@@ -119,31 +119,27 @@ def _weight_grad_kernel(
     STAGES: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    pid_m, pid_n = _tile_of(tl.program_id(0), m_dim // BM, n_cols // BN, GROUP)
+    split = tl.program_id(1)
     # The live (row tile j, step t) pairs, numbered j-major: tile j's steps 0 .. len_j - 1 are
     # numbers starts[j] .. starts[j + 1] - 1, so every iteration below reads live rows.
     tiles = tl.arange(0, TILES_P2)
     starts = tl.load(starts_ptr + tiles, mask=tiles <= N_TILES, other=2**30)
     total = tl.load(starts_ptr + N_TILES)
-    num_m, num_n = m_dim // BM, n_cols // BN
-    # One work item per (output tile, split) when the grid has one program for each; a smaller
-    # grid (`programs`) takes them in turns, leaving the other SMs to whatever runs beside it.
-    for work in range(tl.program_id(0), num_m * num_n * splits, tl.num_programs(0)):
-        pid_m, pid_n = _tile_of(work // splits, num_m, num_n, GROUP)
-        split = work % splits
-        first = (split * total) // splits
-        last = ((split + 1) * total) // splits
-        ms = pid_m * BM + tl.arange(0, BM)
-        ns = pid_n * BN + tl.arange(0, BN)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for i in tl.range(first, last, num_stages=STAGES):
-            tile = tl.sum((starts <= i).to(tl.int32), axis=0) - 1
-            step = i - tl.sum(tl.where(tiles == tile, starts, 0), axis=0)
-            rows = (step * batch + tile * BR).to(tl.int64) + tl.arange(0, BR)
-            a = tl.load(a_ptr + rows[:, None] * stride_ar + ms[None, :])
-            b = tl.load(b_ptr + rows[:, None] * stride_br + ns[None, :])
-            acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
-        c = c_ptr + split * stride_cs + ms[:, None] * stride_cm + ns[None, :]
-        tl.store(c, acc.to(c_ptr.dtype.element_ty))
+    first = (split * total) // splits
+    last = ((split + 1) * total) // splits
+    ms = pid_m * BM + tl.arange(0, BM)
+    ns = pid_n * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for i in tl.range(first, last, num_stages=STAGES):
+        tile = tl.sum((starts <= i).to(tl.int32), axis=0) - 1
+        step = i - tl.sum(tl.where(tiles == tile, starts, 0), axis=0)
+        rows = (step * batch + tile * BR).to(tl.int64) + tl.arange(0, BR)
+        a = tl.load(a_ptr + rows[:, None] * stride_ar + ms[None, :])
+        b = tl.load(b_ptr + rows[:, None] * stride_br + ns[None, :])
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+    c = c_ptr + split * stride_cs + ms[:, None] * stride_cm + ns[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -213,12 +209,9 @@ class PackedGemms:
         )
         return out
 
-    def weight_grad(
-        self, a: torch.Tensor, b: torch.Tensor, programs: int | None = None
-    ) -> torch.Tensor:
+    def weight_grad(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a (T * B, M)^T @ b (T * B, N) -> (M, N) in a's dtype, summed over the live row
-        tiles (a must be zero at every padding row of them). `programs` caps the grid: its
-        programs take the output tiles in turns (to leave SMs to kernels beside it)."""
+        tiles (a must be zero at every padding row of them)."""
         m_dim, n_cols = a.shape[1], b.shape[1]
         bm, bn, br = self.grad_tile
         bm, bn = _fitting("weight_grad", m_dim, bm, "M"), _fitting("weight_grad", n_cols, bn, "N")
@@ -228,8 +221,7 @@ class PackedGemms:
         splits = max(1, min(16, triton.cdiv(SPLITS_PER_SM * _num_sms(a.device), tiles)))
         out_dtype = a.dtype if splits == 1 else torch.float32
         out = a.new_empty(splits, m_dim, n_cols, dtype=out_dtype)
-        work = tiles * splits
-        _weight_grad_kernel[(work if programs is None else max(1, min(programs, work)),)](
+        _weight_grad_kernel[(tiles, splits)](
             a,
             b,
             out,

@@ -1,7 +1,6 @@
 """bench/encoder_gemms.py: the batches it draws are training's, padded to their CUDA-graph
 bucket and ordered by length; its row shares count what each case reads; and on a Hopper GPU it
-checks packed against dense and times both, and the post stack's weight gradients beside the
-pre stack's backward."""
+checks packed against dense and times both."""
 
 import argparse
 
@@ -53,9 +52,6 @@ def test_grad_rows_that_cannot_tile_the_batch_are_refused(capsys):
         encoder_gemms.main(["--grad-rows", "48"])
     assert exit_info.value.code == 2
     assert "--grad-rows: 48 is no power of two >= 16 that divides 192" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        encoder_gemms.main(["--beside", "36", "-1"])
-    assert "--beside: grids of 0 (one program per work item) or more" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
@@ -72,20 +68,8 @@ def test_packed_matches_dense_and_both_are_timed_on_a_hopper_gpu(repo_root, tmp_
         "--grad-rows",
         "64",
         "32",
-        "--beside",
-        "36",
     )
-    assert len(results) == 2 * 4 + 3
-    beside = {r["case"]: r["ms"] for r in results if r["stack"] == "pre + post"}
-    assert set(beside) == {
-        "two stacks, post weight grads after",
-        "post weight grads alone, 36 programs",
-        "beside the pre stack, 36 programs",
-    }
-    # beside cannot take less than the stacks without the weight gradients they hide
-    after = beside["two stacks, post weight grads after"]
-    alone = beside["post weight grads alone, 36 programs"]
-    assert beside["beside the pre stack, 36 programs"] > 0.9 * (after - alone)
+    assert len(results) == 2 * 4
     for stack in ("pre", "post"):
         rows = {r["case"]: r for r in results if r["stack"] == stack}
         dense = rows.pop("dense")
@@ -140,31 +124,3 @@ def test_output_row_tiles_run_across_a_steps_end():
     # with tiles that divide the batch, as the weight gradients' row share
     frames = np.sort(np.random.default_rng(1).integers(0, 30, 192))[::-1].copy()
     assert encoder_gemms.output_rows_read(frames, 30, 64) == encoder_gemms.rows_read(frames, 30, 64)
-
-
-def test_beside_times_the_encoders_pair_of_stacks(monkeypatch):
-    """--beside's cases on the CPU (small stacks under Triton's interpreter, a stand-in for the
-    GPU timer): lstm_stack_pair after and beside on each grid, the weight gradients alone."""
-    monkeypatch.setattr(encoder_gemms, "graph_ms", lambda fn, repeats: fn() or 1.0)
-    monkeypatch.setattr(encoder_gemms, "STACKS", {"pre": (64, 2), "post": (64, 3)})
-    monkeypatch.setattr(lstm_wave, "HIDDEN", 32)
-    calls = []
-    real_pair = lstm_wave.lstm_stack_pair
-
-    def recorded(*args, **kwargs):
-        calls.append(kwargs["beside"])
-        return real_pair(*args, **kwargs)
-
-    monkeypatch.setattr(lstm_wave, "lstm_stack_pair", recorded)
-    frames = np.sort(np.random.default_rng(2).integers(1, 7, encoder_gemms.BATCH))[::-1].copy()
-    args = argparse.Namespace(beside=[0, 24], repeats=1)
-    rows = encoder_gemms.bench_beside(6, frames, args, "cpu")
-    assert [r["case"] for r in rows] == [
-        "two stacks, post weight grads after",
-        "post weight grads alone, full grid",
-        "beside the pre stack, full grid",
-        "post weight grads alone, 24 programs",
-        "beside the pre stack, 24 programs",
-    ]
-    assert calls == [None, 0, 24]
-    assert all(r["stack"] == "pre + post" and r["steps"] == 6 for r in rows)

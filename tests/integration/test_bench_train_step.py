@@ -69,16 +69,3 @@ def test_an_unknown_wave_variant_is_one_line_before_any_step(repo_root):
     # with nvcc the library names the variants it has; without, why it cannot be built
     assert last.startswith("train_step.py: error: --wave-variants: ")
     assert "Traceback" not in proc.stderr
-
-
-def test_beside_is_checked_before_any_step(repo_root):
-    base = [sys.executable, "bench/train_step.py", "--device", "cpu"]
-    for args, message in (
-        (["--beside", "36"], "--beside needs --set model.encoder_gemms=packed"),
-        (["--beside", "-1"], "--beside: a grid of 0 (one program per work item) or more programs"),
-    ):
-        proc = subprocess.run(
-            base + args, cwd=repo_root, capture_output=True, text=True, timeout=300
-        )
-        assert proc.returncode == 2
-        assert proc.stderr.strip().splitlines()[-1] == f"train_step.py: error: {message}"

@@ -71,29 +71,6 @@ def test_weight_grad_sums_the_live_tiles_only(order, shape):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("programs", [1, 3])
-def test_a_capped_grid_takes_the_same_work_in_turns(programs, monkeypatch):
-    """Four work items (two output tiles, each in two splits of the frames) on one program or
-    three: the same sums, in the same order, as one program each."""
-    steps, batch = 9, 48
-    lengths, gen = ragged(batch, steps, seed=4)
-    a = torch.randn(steps * batch, 32, generator=gen) * frames(lengths, steps)[:, None]
-    b = torch.randn(steps * batch, 32, generator=gen)
-    gemms = PackedGemms(lengths, steps, rows_tile=(16, 16, 16), grad_tile=(32, 16, 16))
-    grids = []
-    kernel = packed_gemm._weight_grad_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(packed_gemm, "_weight_grad_kernel", Recorded())
-    capped, full = gemms.weight_grad(a, b, programs=programs), gemms.weight_grad(a, b)
-    assert grids == [(programs,), (4,)]
-    assert torch.equal(capped, full)
-
-
 def test_weight_grad_in_fp16_sums_in_fp32():
     steps, batch = 7, 32
     lengths, gen = ragged(batch, steps, seed=2)
