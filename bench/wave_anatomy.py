@@ -53,10 +53,10 @@ from rnnt.kernels import lstm_wave  # noqa: E402
 ABLATIONS = {
     "without the MMAs": [
         (
-            "\n            mma_64x96<SPLIT_N>(d[half],",
-            "\n            if (p.T < 0) mma_64x96<SPLIT_N>(d[half],",
+            "\n            mma_64x96(d[half],",
+            "\n            if (p.T < 0) mma_64x96(d[half],",
         ),
-        ("\n          mma_64x96<SPLIT_N>(d, a", "\n          if (p.T < 0) mma_64x96<SPLIT_N>(d, a"),
+        ("\n          mma_64x96(d, a", "\n          if (p.T < 0) mma_64x96(d, a"),
     ],
     "without the epilogue": [
         (

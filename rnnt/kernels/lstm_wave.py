@@ -54,9 +54,8 @@ BATCH_MULTIPLE = 192  # the backward's clusters pair two 96-row batch tiles
 BATCH_TILE = 96
 INPUT_MULTIPLE = 64  # one K stage of the kernels
 # launch variants (csrc: kFwdVariants, kBwdVariants: 0 without, 1 with programmatic dependent
-# launch, 2 as 1 with L2 eviction priorities on the TMA copies, 3 as 2 with every MMA split in
-# two accumulation chains); bench/encoder_lstm.py times them all, and checks that they give the
-# same bits
+# launch, 2 as 1 with L2 eviction priorities on the TMA copies); bench/encoder_lstm.py times them
+# all, and checks that they give the same bits
 FORWARD_VARIANT = 2
 BACKWARD_VARIANT = 2
 N_FACTORS = 6

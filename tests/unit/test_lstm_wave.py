@@ -631,14 +631,14 @@ def test_use_variants_sets_the_kernels_lstm_stack_runs_and_refuses_unknown_ones(
     monkeypatch.setattr(lstm_wave, "_default_kernels", [])
     cuda_build.load.cache_clear()
     try:
-        with pytest.raises(ValueError, match="no backward wave variant 4: the kernels have 0 to 3"):
-            lstm_wave.use_variants(2, 4)
+        with pytest.raises(ValueError, match="no backward wave variant 3: the kernels have 0 to 2"):
+            lstm_wave.use_variants(2, 3)
         with pytest.raises(ValueError, match="no forward wave variant -1"):
             lstm_wave.use_variants(-1, 2)
         assert lstm_wave._default_kernels == []
-        lstm_wave.use_variants(3, 1)
+        lstm_wave.use_variants(0, 1)
         kernels = lstm_wave._cuda_kernels()
-        assert (kernels.forward_variant, kernels.backward_variant) == (3, 1)
+        assert (kernels.forward_variant, kernels.backward_variant) == (0, 1)
         assert lstm_wave._cuda_kernels() is kernels
     finally:
         cuda_build.load.cache_clear()
@@ -650,7 +650,7 @@ def test_the_kernel_source_builds_and_rejects_shapes_it_cannot_tile(tmp_path, mo
     cuda_build.load.cache_clear()
     try:
         lib = lstm_wave.library()
-        assert lib.wave_lstm_variants(0) == 4 and lib.wave_lstm_variants(1) == 4
+        assert lib.wave_lstm_variants(0) == 3 and lib.wave_lstm_variants(1) == 3
         null = (ctypes.c_void_p * 3)()
 
         def forward(layers, steps, batch, kin, p=0.1, variant=0):

@@ -64,33 +64,10 @@ __device__ __forceinline__ void wgmma_m64n96k16(float* d, uint64_t da, uint64_t 
         "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
       : "l"(da), "l"(db), "r"(scale_d));
 }
-// half the batch tile: two of these on d and d + 24 write what one m64n96k16 writes (the
-// accumulator fragment lists 8-column blocks in order), each element summed in the same order
-__device__ __forceinline__ void wgmma_m64n48k16(float* d, uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %26, 0; "
-      "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
-      "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, "
-      "%24, %25, p, 1, 1, 0, 0; }"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
 // One K slice of 16 into a 64 x 96 accumulator from 128-byte-swizzled tiles at shared addresses a
-// (64 rows) and b (96 batch rows). SPLIT_N: as two accumulation chains on the batch rows' halves
-// (row 48 starts a 1024-byte swizzle group), which the tensor cores can overlap where one chain
-// would wait for its previous MMA; every element gets the same sum, in the same order.
-template <bool SPLIT_N>
+// (64 rows) and b (96 batch rows).
 __device__ __forceinline__ void mma_64x96(float* d, uint32_t a, uint32_t b, int scale_d) {
-  if constexpr (SPLIT_N) {
-    wgmma_m64n48k16(d, smem_desc(a), smem_desc(b), scale_d);
-    wgmma_m64n48k16(d + 24, smem_desc(a), smem_desc(b + 48 * 128), scale_d);
-  } else {
-    wgmma_m64n96k16(d, smem_desc(a), smem_desc(b), scale_d);
-  }
+  wgmma_m64n96k16(d, smem_desc(a), smem_desc(b), scale_d);
 }
 __device__ __forceinline__ float tanh_fast(float x) {
   float y;
@@ -279,7 +256,7 @@ struct Params {  // 64-byte aligned through CUtensorMap
 
 // HINTS: TMA copies with L2 eviction priorities: W's tiles (read again at every step) last, the
 // factor planes (read back only by the backward) and x W_ih^T's tiles first
-template <int RING, bool HINTS, bool SPLIT_N, bool KEYED>
+template <int RING, bool HINTS, bool KEYED>
 __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Params p) {
   constexpr int STAGES = RING;
   extern __shared__ uint8_t raw[];
@@ -388,7 +365,7 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
         for (int kk = 0; kk < BK / 16; ++kk)
 #pragma unroll
           for (int half = 0; half < 2; ++half)
-            mma_64x96<SPLIT_N>(d[half], wa + half * 64 * 128 + kk * 32, xa + kk * 32,
+            mma_64x96(d[half], wa + half * 64 * 128 + kk * 32, xa + kk * 32,
                                (kb | kk) != 0);
       }
       wgmma_commit();
@@ -562,7 +539,7 @@ struct Params {  // 64-byte aligned through CUtensorMap
 };
 
 // HINTS: as the forward's; here W^T's tiles last, the forward's factor planes and dy first
-template <int RING, bool HINTS, bool SPLIT_N, bool KEYED>
+template <int RING, bool HINTS, bool KEYED>
 __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ Params p) {
   constexpr int STAGES = RING;
   static_assert(ring_fits(RING), "the epilogue's inputs and staging fit in the ring");
@@ -697,7 +674,7 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
         const uint32_t a = smem_u32(ring + s * SUB), b = a + A_SUB;
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk)
-          mma_64x96<SPLIT_N>(d, a + kk * 32, b + kk * 32, (kb | kk) != 0);
+          mma_64x96(d, a + kk * 32, b + kk * 32, (kb | kk) != 0);
       }
       wgmma_commit();
       fence_acc(d);
@@ -852,25 +829,21 @@ constexpr int kMaxDevices = 64;
 // ahead of the factor planes written and read once. Variant 1 is it without the priorities
 // (1-2% slower a stack, docs/PERFORMANCE.md), variant 0 launches every wave after the previous
 // one ends (no programmatic dependent launch): the A/B references of bench/encoder_lstm.py.
-// Variant 3 is 2 with each MMA split on the batch rows' halves (SPLIT_N), the same bits: a single
-// consumer warp group's accumulators form one dependent chain of MMAs per 64 rows, and the
-// backward's 64 stages of one chain would wait on it where an MMA waits for the one before.
 // Measured and dropped (docs/PERFORMANCE.md): 128-wide forward stages, clusters of two
-// multicasting W's tile, and backward rings 9 or 10 deep.
+// multicasting W's tile, backward rings 9 or 10 deep, and each MMA split on the batch rows'
+// halves (two accumulation chains instead of one: slower).
 // kernel[keyed]: without and with row keys
 struct FwdVariant { void (*kernel[2])(fwd::Params); int ring; bool pdl; };
 const FwdVariant kFwdVariants[] = {
-    {{fwd::wave_t<7, false, false, false>, fwd::wave_t<7, false, false, true>}, 7, false},
-    {{fwd::wave_t<7, false, false, false>, fwd::wave_t<7, false, false, true>}, 7, true},
-    {{fwd::wave_t<7, true, false, false>, fwd::wave_t<7, true, false, true>}, 7, true},
-    {{fwd::wave_t<7, true, true, false>, fwd::wave_t<7, true, true, true>}, 7, true},
+    {{fwd::wave_t<7, false, false>, fwd::wave_t<7, false, true>}, 7, false},
+    {{fwd::wave_t<7, false, false>, fwd::wave_t<7, false, true>}, 7, true},
+    {{fwd::wave_t<7, true, false>, fwd::wave_t<7, true, true>}, 7, true},
 };
 struct BwdVariant { void (*kernel[2])(bwd::Params); int ring; bool pdl; };
 const BwdVariant kBwdVariants[] = {
-    {{bwd::wave_bwd<8, false, false, false>, bwd::wave_bwd<8, false, false, true>}, 8, false},
-    {{bwd::wave_bwd<8, false, false, false>, bwd::wave_bwd<8, false, false, true>}, 8, true},
-    {{bwd::wave_bwd<8, true, false, false>, bwd::wave_bwd<8, true, false, true>}, 8, true},
-    {{bwd::wave_bwd<8, true, true, false>, bwd::wave_bwd<8, true, true, true>}, 8, true},
+    {{bwd::wave_bwd<8, false, false>, bwd::wave_bwd<8, false, true>}, 8, false},
+    {{bwd::wave_bwd<8, false, false>, bwd::wave_bwd<8, false, true>}, 8, true},
+    {{bwd::wave_bwd<8, true, false>, bwd::wave_bwd<8, true, true>}, 8, true},
 };
 constexpr int kFwdCount = sizeof(kFwdVariants) / sizeof(kFwdVariants[0]);
 constexpr int kBwdCount = sizeof(kBwdVariants) / sizeof(kBwdVariants[0]);
