@@ -8,8 +8,6 @@
 #   bash bench/gpu_session.sh tests       # every @pytest.mark.gpu test
 #   bash bench/gpu_session.sh loss        # bench/joint_loss.py (issue: fused joint + loss)
 #   bash bench/gpu_session.sh step        # bench/train_step.py eager vs graphs, wave vs cuDNN LSTM
-#   bash bench/gpu_session.sh gemms       # bench/encoder_gemms.py: the wave stacks' GEMMs dense
-#                                         # vs packed; the Trainer's step with each (ROUNDS, 2)
 #   bash bench/gpu_session.sh lstm        # bench/encoder_lstm.py: cuDNN vs the wave kernels per stack;
 #                                         # bench/wave_tile_skip.py: what per-tile skipping saves;
 #                                         # bench/wave_anatomy.py: where a wave step's time goes
@@ -71,7 +69,7 @@ if [ -n "${ON_GPU:-}" ]; then
   exec env ON_GPU= CUDA_VISIBLE_DEVICES="$ON_GPU" taskset -c "$first-$(( first + share - 1 ))" \
     bash "$0" "$@"
 fi
-phase=${1:?phase: setup | tests | loss | step | gemms | lstm | features | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | realstep_ab | converge | fork | wait | evalparity | rescore | lossreading | stress | bundle}
+phase=${1:?phase: setup | tests | loss | step | lstm | features | decode | train | truth | multi | scaling | fullrun | dgx | corpus | pipeline | multireal | realstep | realstep_ab | converge | fork | wait | evalparity | rescore | lossreading | stress | bundle}
 OUT=${OUT:-results/gpu}
 WHEELS=${WHEELS:-.carry/wheels}
 # the spoken-digits corpus the distributed tests train on (this machine has no espeak-ng):
@@ -233,18 +231,6 @@ case "$phase" in
         --set model.encoder_lstm=cudnn --json "$OUT/train_step_cudnn.json" 2>&1 \
         | tee "$OUT/train_step_cudnn.log"
     fi ;;
-  gemms)
-    # model.encoder_gemms: the wave stacks' GEMMs and the stacks alone, dense against packed;
-    # then the real Trainer's step with each, taking turns ROUNDS (2) times
-    python3 bench/encoder_gemms.py --grad-rows 64 32 --sweep --json "$OUT/encoder_gemms.json" 2>&1 \
-      | tee "$OUT/encoder_gemms.log"
-    for round in $(seq "${ROUNDS:-2}"); do
-      for gemms in dense packed; do
-        python3 bench/train_step.py --batch-sizes 192 --num-cg 4 --steps 30 \
-          --set model.encoder_gemms="$gemms" --json "$OUT/train_step_${gemms}_$round.json" 2>&1 \
-          | tee "$OUT/train_step_${gemms}_$round.log"
-      done
-    done ;;
   lstm)
     python3 bench/encoder_lstm.py --json "$OUT/encoder_lstm.json" 2>&1 | tee "$OUT/encoder_lstm.log"
     python3 bench/wave_tile_skip.py --json "$OUT/wave_tile_skip.json" 2>&1 | tee "$OUT/wave_tile_skip.log"

@@ -26,7 +26,6 @@ from rnnt.errors import UserError
 LENGTHS_DIR = Path(__file__).resolve().parent / "data" / "lengths"
 
 EncoderLSTM = Literal["cudnn", "wave", "auto"]
-EncoderGemms = Literal["dense", "packed"]
 DataBackend = Literal["auto", "dali", "torch", "synthetic"]
 Place = Literal["cpu", "gpu"]
 LossBackend = Literal["reference", "torchaudio", "fused", "apex"]
@@ -114,11 +113,6 @@ class ModelConfig(_Section):
     # hash-based dropout) or "auto" (wave on a Hopper GPU for batches that are multiples of 192,
     # cudnn elsewhere). Same parameters and checkpoints; evaluation always runs nn.LSTM.
     encoder_lstm: EncoderLSTM = "cudnn"
-    # Where the wave kernels run, their stacks' GEMMs outside the waves (the post-RNN stack's
-    # hoisted input GEMM, the weight and input gradients): "dense" over every frame of the padded
-    # batch (cuBLAS), "packed" over each utterance's own frames (rnnt/kernels/packed_gemm.py; the
-    # encoder then orders its rows by length). nn.LSTM runs every frame either way.
-    encoder_gemms: EncoderGemms = "dense"
 
     @property
     def blank_idx(self) -> int:
@@ -130,12 +124,6 @@ class ModelConfig(_Section):
         self.at_least(1, "enc_pre_rnn_layers", "enc_post_rnn_layers", "pred_rnn_layers")
         self.at_least(1, "enc_stack_time_factor")
         self.probability("enc_dropout", "pred_dropout", "joint_dropout")
-        self.require(
-            self.encoder_gemms == "dense" or self.encoder_lstm != "cudnn",
-            "encoder_gemms",
-            "packed applies to the wave LSTM's GEMMs (model.encoder_lstm: wave or auto), and "
-            "model.encoder_lstm is cudnn",
-        )
         if self.encoder_lstm == "wave":  # auto falls back to cuDNN where the kernels cannot run
             self.require(
                 self.enc_n_hid % 32 == 0,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 from typing import NamedTuple
 
@@ -41,16 +40,6 @@ def _init_lstm(lstm: nn.LSTM, forget_gate_bias: float, hh_bias_scale: float, sca
                 param[hidden : 2 * hidden].mul_(hh_bias_scale)
         for param in lstm.parameters():
             param.mul_(scale)
-
-
-def _packed_gemms_refused(device: torch.device) -> str | None:
-    """Why `model.encoder_gemms: packed` cannot run on `device`, or None."""
-    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    return (
-        f"model.encoder_gemms: packed runs Triton kernels, on a CUDA GPU (or on {device.type} "
-        "under TRITON_INTERPRET=1, for tests); set it to dense here"
-    )
 
 
 @functools.cache
@@ -90,9 +79,6 @@ def resolve_eval_encoder_lstm(
     choice`. Raises ConfigError where `wave` is asked for and cannot run."""
     if choice == "cudnn":
         return "cudnn", "eval.encoder_lstm: cudnn"
-    refused = _packed_gemms_refused(device) if cfg.encoder_gemms == "packed" else None
-    if refused is not None:
-        raise ConfigError(refused)
     if device.type != "cuda":
         return "wave", f"the kernels' plain-PyTorch twin on {device.type} (slow, for tests)"
     for layers in (cfg.enc_pre_rnn_layers, cfg.enc_post_rnn_layers):
@@ -110,15 +96,6 @@ def resolve_encoder_lstm(cfg: ModelConfig, device: torch.device, batch: int) -> 
         _resolve_stack(cfg.encoder_lstm, device, batch, cfg.enc_n_hid, layers)
         for layers in (cfg.enc_pre_rnn_layers, cfg.enc_post_rnn_layers)
     )
-    if cfg.encoder_gemms == "packed" and "wave" in (pre[0], post[0]):
-        refused = _packed_gemms_refused(device)
-        if refused is not None:
-            raise ConfigError(refused)
-        packed = "; GEMMs over real frames (model.encoder_gemms: packed)"
-        pre, post = (
-            (f"{lstm}/packed", reason + packed) if lstm == "wave" else (lstm, reason)
-            for lstm, reason in (pre, post)
-        )
     if pre == post:
         return pre
     return f"pre_rnn:{pre[0]}+post_rnn:{post[0]}", f"pre_rnn: {pre[1]}; post_rnn: {post[1]}"
@@ -146,8 +123,7 @@ class StackedLSTM(nn.Module):
 
     `lengths` (B,), optional: the wave kernels skip the steps past the longest sequence (a
     CUDA-graph bucket pads most batches) and return zeros there; nn.LSTM runs every step. Either
-    way the outputs before that step are the same. With `model.encoder_gemms: packed` the
-    wave's GEMMs also skip each row's steps past its own length (rnnt.kernels.packed_gemm).
+    way the outputs before that step are the same.
     """
 
     def __init__(
@@ -166,7 +142,6 @@ class StackedLSTM(nn.Module):
         self.dropout_p = dropout
         self.lstm = lstm
         self.eval_lstm = eval_lstm
-        self.gemms = cfg.encoder_gemms
         # a list of one: the parameter names that checkpoints hold (layers.0.weight_ih_l0, ...)
         self.layers = nn.ModuleList(
             [nn.LSTM(input_size, hidden_size, num_layers=num_layers, dropout=dropout)]
@@ -185,14 +160,6 @@ class StackedLSTM(nn.Module):
         key = (self.lstm, x.device, x.shape[1], self.hidden_size, self.num_layers)
         return _resolve_stack(*key)[0] == "wave"
 
-    def gemms_for(self, lengths: torch.Tensor | None) -> str:
-        """The wave's GEMMs: packed ones need the lengths to skip anything."""
-        return self.gemms if lengths is not None else "dense"
-
-    def runs_packed(self, x: torch.Tensor) -> bool:
-        """Whether a training forward of `x` (with lengths) runs the wave with packed GEMMs."""
-        return self.gemms == "packed" and self.training and self._runs_wave(x, None)
-
     def layer_weights(self) -> list[tuple[torch.Tensor, ...]]:
         """Per layer (w_ih, w_hh, b_ih, b_hh), the nn.LSTM parameters themselves."""
         return lstm_layer_weights(self.layers[0])
@@ -202,28 +169,16 @@ class StackedLSTM(nn.Module):
         x: torch.Tensor,
         state: LSTMState | None = None,
         lengths: torch.Tensor | None = None,
-        row_keys: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LSTMState | None]:
-        """row_keys: where the rows were reordered, each one's place in the batch before, so
-        that the wave's dropout masks follow the utterance (nn.LSTM's draw does not)."""
         if self.lstm != "cudnn" and self.training and self._runs_wave(x, state):
             if state is not None:
                 raise ValueError("the wave LSTM runs from zero state only")
-            y = lstm_wave.lstm_stack(
-                x,
-                self.layer_weights(),
-                self.dropout_p,
-                lengths=lengths,
-                gemms=self.gemms_for(lengths),
-                row_keys=row_keys,
-            )
+            y = lstm_wave.lstm_stack(x, self.layer_weights(), self.dropout_p, lengths=lengths)
             return y, None
         if self.eval_lstm == "wave" and not self.training:
             if state is not None:
                 raise ValueError("the wave LSTM runs from zero state only")
-            y = lstm_wave.lstm_stack(
-                x, self.layer_weights(), 0.0, lengths=lengths, gemms=self.gemms_for(lengths)
-            )
+            y = lstm_wave.lstm_stack(x, self.layer_weights(), 0.0, lengths=lengths)
             return y.to(x.dtype), None
         x, state = self.layers[0](x, state)
         return self.dropout(x), state
@@ -289,22 +244,10 @@ class Encoder(nn.Module):
         self.joint_enc = nn.Linear(hid, cfg.joint_n_hid)
 
     def forward(self, x: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Packed GEMMs skip tiles of rows whose frames have all ended, so the rows go longest
-        # first (on the device, inside a CUDA graph) and come back in the batch's order at the
-        # end. Each row's dropout key is its place in the batch's order, so an utterance draws
-        # the mask it would draw with dense GEMMs.
-        order = None
-        if any(rnn.runs_packed(x) for rnn in (self.pre_rnn, self.post_rnn)):
-            order = torch.argsort(lens, descending=True, stable=True)
-            x, lens = x.index_select(1, order), lens.index_select(0, order)
-        x, _ = self.pre_rnn(x, lengths=lens, row_keys=order)
+        x, _ = self.pre_rnn(x, lengths=lens)
         x, lens = self.stack_time(x, lens)
-        x, _ = self.post_rnn(x, lengths=lens, row_keys=order)
-        f = self.joint_enc(x.transpose(0, 1))
-        if order is not None:
-            restore = torch.argsort(order)
-            f, lens = f.index_select(0, restore), lens.index_select(0, restore)
-        return f, lens
+        x, _ = self.post_rnn(x, lengths=lens)
+        return self.joint_enc(x.transpose(0, 1)), lens
 
 
 class Prediction(nn.Module):

@@ -17,12 +17,10 @@ Three implementations of one contract, so that each is checked against the next:
 `lstm_stack` runs a stack through `_WaveStack` (autograd) with the CUDA kernels on a GPU and
 `TorchKernels` elsewhere.
 
-Dropout: a counter-based hash of (seed, layer, step, row key, unit) decides each keep
-(`keep_mask`), so the backward recomputes the mask instead of storing it. A row's key is its
-place in the batch as the caller gave it, so a padded batch leaves the real rows' masks
-unchanged, and rows reordered by length (`model.encoder_gemms: packed`) keep their masks. The
-seed is a one-element int32 tensor on the device, drawn from torch's generator on every call,
-so CUDA-graph replays draw fresh masks.
+Dropout: a counter-based hash of (seed, layer, step, batch row, unit) decides each keep
+(`keep_mask`), so the backward recomputes the mask instead of storing it, and a padded batch
+leaves the real rows' masks unchanged. The seed is a one-element int32 tensor on the device,
+drawn from torch's generator on every call, so CUDA-graph replays draw fresh masks.
 
 Padding steps: given the batch's lengths, the steps past the longest are padding (a CUDA-graph
 bucket is longer than most batches run through it). The kernels skip them on the device, and
@@ -90,31 +88,20 @@ def drop_threshold(p: float) -> int:
 
 
 def keep_mask(
-    seed: torch.Tensor,
-    layer: int,
-    steps: int,
-    batch: int,
-    hidden: int,
-    p: float,
-    row_keys: torch.Tensor | None = None,
+    seed: torch.Tensor, layer: int, steps: int, batch: int, hidden: int, p: float
 ) -> torch.Tensor:
     """Which elements of layer `layer`'s output survive dropout: bool (steps, batch, hidden).
 
-    One 32-bit hash per (step, pair of row keys, unit), 16 bits per key: a row's key is its
-    place in the batch (`row_keys` (batch,), default 0, 1, ...), so the first rows of a larger
-    batch get the same mask, and rows that run in another order keep theirs when `row_keys`
-    says where each came from. `seed` is a one-element integer tensor; the result is on its
-    device, computed without a host sync.
+    One 32-bit hash per (step, pair of batch rows, unit), 16 bits per row: the keys do not
+    depend on `batch`, so the first rows of a larger batch get the same mask. `seed` is a
+    one-element integer tensor; the result is on its device, computed without a host sync.
     """
     device = seed.device
     s = seed.reshape(()).to(torch.int64) & _M32
     layer_seed = mix32((s + 0x9E3779B9 * (layer + 1)) & _M32)
     t = torch.arange(steps, dtype=torch.int64, device=device)
     step_seed = mix32((layer_seed + 0x85EBCA6B * (t + 1)) & _M32).view(steps, 1, 1)
-    if row_keys is None:
-        b = torch.arange(batch, dtype=torch.int64, device=device).view(1, batch, 1)
-    else:
-        b = row_keys.to(device, torch.int64).view(1, batch, 1)
+    b = torch.arange(batch, dtype=torch.int64, device=device).view(1, batch, 1)
     unit = torch.arange(hidden, dtype=torch.int64, device=device).view(1, 1, hidden)
     key = mix32(step_seed ^ (((b >> 1) * hidden + unit) & _M32))
     bits = torch.where(b % 2 == 1, key >> 16, key & 0xFFFF)
@@ -187,25 +174,12 @@ class TorchKernels:
         return steps if active is None else max(0, min(steps, int(active.item())))
 
     def forward(
-        self,
-        x,
-        hseq,
-        yseq,
-        cstate,
-        factors,
-        bias,
-        w,
-        p,
-        seed,
-        x_gates=None,
-        active=None,
-        row_keys=None,
+        self, x, hseq, yseq, cstate, factors, bias, w, p, seed, x_gates=None, active=None
     ) -> None:
         """x_gates: None, or the first layer's x W_ih^T [T*B, 4H] (permuted columns) from one
         GEMM before the waves; then x is not read and w[0] is W_hh alone [4H, H]. active: None,
         or a one-element int32 tensor n: steps t >= n are padding (h and yseq zero there, their
-        factors not written, cstate c(n - 1)). factors: None when no backward follows.
-        row_keys: None, or the rows' dropout keys, int32 (B,) (see keep_mask)."""
+        factors not written, cstate c(n - 1)). factors: None when no backward follows."""
         hidden = hseq[0].shape[1]
         batch = cstate[0].shape[0]
         steps = yseq[0].shape[0] // batch
@@ -221,7 +195,7 @@ class TorchKernels:
                 inp = (x if layer == 0 else yseq[layer - 1]).view(steps, batch, -1)
             hs = hseq[layer].view(steps + 1, batch, hidden)
             weight = w[layer].to(acc)
-            keep = keep_mask(seed, layer, steps, batch, hidden, p, row_keys) if p > 0 else None
+            keep = keep_mask(seed, layer, steps, batch, hidden, p) if p > 0 else None
             c = cstate[layer].to(acc)
             for t in range(steps):
                 if t >= n_active:
@@ -254,11 +228,9 @@ class TorchKernels:
                 plane[5] = f
             cstate[layer].copy_(c)
 
-    def backward(
-        self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed, active=None, row_keys=None
-    ) -> None:
-        """active and row_keys: the forward's; dz and the partial sums are zero at the padding
-        steps, and dy_top is not read there."""
+    def backward(self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed, active=None) -> None:
+        """active: the forward's; dz and the partial sums are zero at the padding steps, and
+        dy_top is not read there."""
         layers = len(wt)
         batch, hidden = dc[0].shape
         steps = dy_top.shape[0] // batch
@@ -269,7 +241,7 @@ class TorchKernels:
         for layer in reversed(range(layers)):
             w_hh = wt[layer][kin[layer] :].to(acc)  # (H, 4H): W_hh^T, permuted gate columns
             above = None if layer == layers - 1 else wt[layer + 1][: kin[layer + 1]].to(acc)
-            keep = keep_mask(seed, layer, steps, batch, hidden, p, row_keys) if p > 0 else None
+            keep = keep_mask(seed, layer, steps, batch, hidden, p) if p > 0 else None
             planes = fac[layer].view(N_FACTORS, steps, batch, hidden).to(acc)
             gates = dz[layer].view(steps, batch, 4 * hidden)
             tiles = dbias[layer].view(steps, batch // BATCH_TILE, 4 * hidden)
@@ -321,19 +293,7 @@ class CudaKernels:
         return ctypes.c_void_p(None if tensor is None else tensor.data_ptr())
 
     def forward(
-        self,
-        x,
-        hseq,
-        yseq,
-        cstate,
-        factors,
-        bias,
-        w,
-        p,
-        seed,
-        x_gates=None,
-        active=None,
-        row_keys=None,
+        self, x, hseq, yseq, cstate, factors, bias, w, p, seed, x_gates=None, active=None
     ) -> None:
         layers = len(w)
         batch = cstate[0].shape[0]
@@ -359,15 +319,12 @@ class CudaKernels:
             ctypes.c_float(p),
             self._ptr(seed),
             self._ptr(active),
-            self._ptr(row_keys),
             self.forward_variant,
             ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
         )
         self._check(rc, "forward")
 
-    def backward(
-        self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed, active=None, row_keys=None
-    ) -> None:
+    def backward(self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed, active=None) -> None:
         layers = len(wt)
         batch = dc[0].shape[0]
         steps = dy_top.shape[0] // batch
@@ -387,7 +344,6 @@ class CudaKernels:
             ctypes.c_float(p),
             self._ptr(seed),
             self._ptr(active),
-            self._ptr(row_keys),
             self.backward_variant,
             ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
         )
@@ -403,9 +359,7 @@ def library() -> ctypes.CDLL:
             [ctypes.c_int] * 4
             + [ctypes.POINTER(ctypes.c_int)]
             + [ptrs] * 8
-            + [ctypes.c_float]
-            + [ctypes.c_void_p] * 3
-            + [ctypes.c_int, ctypes.c_void_p]
+            + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         )
         lib.wave_lstm_forward.restype = ctypes.c_int
         lib.wave_lstm_backward.argtypes = (
@@ -415,7 +369,6 @@ def library() -> ctypes.CDLL:
             + [
                 ctypes.c_void_p,
                 ctypes.c_float,
-                ctypes.c_void_p,
                 ctypes.c_void_p,
                 ctypes.c_void_p,
                 ctypes.c_int,
@@ -497,37 +450,21 @@ def use_variants(forward: int, backward: int) -> None:
 # autograd
 
 
-class DenseGemms:
-    """The stack's GEMMs outside the waves over every row, padding included: torch's matmul
-    (cuBLAS on a GPU), and the reference of rnnt.kernels.packed_gemm.PackedGemms."""
-
-    @staticmethod
-    def rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return a @ b
-
-    @staticmethod
-    def weight_grad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return a.t() @ b
-
-
 class _WaveStack(torch.autograd.Function):
-    """y = stack(x) through a kernels object (TorchKernels or CudaKernels) and a GEMMs object
-    (DenseGemms or PackedGemms). x (T, B, K) with B a multiple of BATCH_MULTIPLE and K of
-    INPUT_MULTIPLE; weights in x's dtype; `active` None or the steps before the padding (a
-    one-element int32 tensor on x's device); `row_keys` None or the rows' dropout keys (int32
-    (B,) on x's device, see keep_mask). Without `keep_factors` (scoring: no backward
-    follows) the forward writes no factor planes, six values a cell only the backward reads."""
+    """y = stack(x) through a kernels object (TorchKernels or CudaKernels). x (T, B, K) with B a
+    multiple of BATCH_MULTIPLE and K of INPUT_MULTIPLE; weights in x's dtype; `active` None or
+    the steps before the padding (a one-element int32 tensor on x's device). Without
+    `keep_factors` (scoring: no backward follows) the forward writes no factor planes, six
+    values a cell only the backward reads."""
 
     @staticmethod
     def forward(
         ctx,
         kernels,
-        gemms,
         p: float,
         keep_factors: bool,
         seed: torch.Tensor,
         active: torch.Tensor | None,
-        row_keys: torch.Tensor | None,
         x: torch.Tensor,
         *flat: torch.Tensor,
     ):
@@ -559,21 +496,18 @@ class _WaveStack(torch.autograd.Function):
             # The first layer's cells would take the longest K of the stack and set the pace of
             # every launch they share; its input part is one GEMM before the waves instead (as
             # cuDNN does it), and its cells run W_hh alone.
-            x_gates = gemms.rows(x_rows, w[0][:, :k_in].T)
+            x_gates = x_rows @ w[0][:, :k_in].T
             w_run = [w[0][:, k_in:].contiguous(), *w[1:]]
-        kernels.forward(
-            x_rows, hseq, yseq, cstate, factors, bias, w_run, p, seed, x_gates, active, row_keys
-        )
-        # not saved with the tensors: None is a valid value of each
-        ctx.active, ctx.row_keys = active, row_keys
+        kernels.forward(x_rows, hseq, yseq, cstate, factors, bias, w_run, p, seed, x_gates, active)
+        ctx.active = active  # not saved with the tensors: None is a valid value
         ctx.save_for_backward(seed, x_rows, *w, *hseq, *yseq[:-1], *(factors or []))
-        ctx.meta = (kernels, gemms, p, steps, batch, k_in, n_layers, hidden)
+        ctx.meta = (kernels, p, steps, batch, k_in, n_layers, hidden)
         return yseq[-1].view(steps, batch, hidden)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y: torch.Tensor):
-        kernels, gemms, p, steps, batch, k_in, n_layers, hidden = ctx.meta
+        kernels, p, steps, batch, k_in, n_layers, hidden = ctx.meta
         seed, x_rows, *rest = ctx.saved_tensors
         w = rest[:n_layers]
         hseq = rest[n_layers : 2 * n_layers]
@@ -589,23 +523,24 @@ class _WaveStack(torch.autograd.Function):
         # separate reduction would read all of dz again
         dbias = [x_rows.new_empty(rows // BATCH_TILE, 4 * hidden, dtype=acc) for _ in w]
         dy = grad_y.to(dtype).contiguous().view(rows, hidden)
-        kernels.backward(kin, wt, dz, factors, dc, dbias, dy, p, seed, ctx.active, ctx.row_keys)
+        kernels.backward(kin, wt, dz, factors, dc, dbias, dy, p, seed, ctx.active)
         # dz's columns are in the permuted gate order, so the weight gradients' rows are too
         inverse = torch.argsort(gate_permutation(hidden, x_rows.device))
         grads = []
         for layer in range(n_layers):
             inp = x_rows if layer == 0 else yseq[layer - 1]
+            d_gates_t = dz[layer].t()
             grad_bias = dbias[layer].sum(0)[inverse].to(dtype)
             grads += [
-                gemms.weight_grad(dz[layer], inp)[inverse],
-                gemms.weight_grad(dz[layer], hseq[layer][:rows])[inverse],
+                (d_gates_t @ inp)[inverse],
+                (d_gates_t @ hseq[layer][:rows])[inverse],
                 grad_bias,
                 grad_bias,
             ]
         grad_x = None
-        if ctx.needs_input_grad[7]:
-            grad_x = gemms.rows(dz[0], w[0][:, :k_in]).view(steps, batch, k_in)
-        return (None, None, None, None, None, None, None, grad_x, *grads)
+        if ctx.needs_input_grad[5]:
+            grad_x = (dz[0] @ w[0][:, :k_in]).view(steps, batch, k_in)
+        return (None, None, None, None, None, grad_x, *grads)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -619,8 +554,6 @@ def lstm_stack(
     seed: torch.Tensor | None = None,
     kernels: CudaKernels | TorchKernels | None = None,
     lengths: torch.Tensor | None = None,
-    gemms: str = "dense",
-    row_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """An LSTM stack with dropout p after every layer, zero initial state: x (T, B, K) ->
     (T, B, H). By default the CUDA kernels on a GPU (fp16; an error says why where they cannot
@@ -630,20 +563,7 @@ def lstm_stack(
     training steps leaves training's random streams where they were. The batch is padded to a
     multiple of 192 and the first layer's input to a multiple of 64 features, invisibly to the
     caller. `lengths` (B,): where given, the steps at and past the longest are padding:
-    skipped, with zero outputs (no host sync: the count stays on the device).
-
-    `gemms`: "dense" runs the GEMMs outside the waves (the first layer's input where it is
-    hoisted, the weight and input gradients) over every row with torch's matmul; "packed" skips
-    each row's padding past its own length in them (rnnt.kernels.packed_gemm: needs `lengths`,
-    and pays when the rows are ordered by length). Packed assumes what the model gives: an
-    output gradient that is zero at every row's padding, so the gate gradients are zero there
-    too. The outputs at real frames and the gradients are then the same either way, to
-    rounding; at the padding, dense computes whatever the padding gives and packed may give
-    zeros.
-
-    `row_keys` (B,) integers: each row's dropout key (keep_mask), by default its index. A
-    caller that reorders the batch's rows passes each row's index before the reordering, so
-    that an utterance draws the same mask wherever it runs."""
+    skipped, with zero outputs (no host sync: the count stays on the device)."""
     if seed is None and p > 0:
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=x.device)
     elif seed is None:
@@ -669,17 +589,6 @@ def lstm_stack(
         if index == 0 and pad_k:
             w_ih = F.pad(w_ih, (0, pad_k))
         flat += [w_ih, w_hh, b_ih, b_hh]
-    if row_keys is not None and row_keys.shape != (batch,):
-        raise ValueError(
-            f"lstm_stack: row_keys must be one per batch row, shape ({batch},), not "
-            f"{tuple(row_keys.shape)}"
-        )
-    if p == 0:
-        row_keys = None  # no mask to key: the kernels without key loads run
-    if row_keys is not None:
-        # the batch's padding rows take keys after the real rows' (their outputs are cut off)
-        pad_keys = torch.arange(batch, batch + pad_b, device=x.device)
-        row_keys = torch.cat([row_keys.to(x.device), pad_keys]).to(torch.int32).contiguous()
     active = None
     if lengths is not None:
         if lengths.shape != (batch,):
@@ -687,22 +596,10 @@ def lstm_stack(
                 f"lstm_stack: lengths must be one per batch row, shape ({batch},), not "
                 f"{tuple(lengths.shape)}"
             )
-        lengths = lengths.to(x.device)
-        active = lengths.amax().clamp(0, steps).to(torch.int32).reshape(1)
-    if gemms == "dense":
-        stack_gemms = DenseGemms()
-    elif gemms == "packed":
-        if lengths is None:
-            raise ValueError("lstm_stack: gemms='packed' needs the lengths")
-        from rnnt.kernels.packed_gemm import PackedGemms  # Triton: only where it runs
-
-        # the batch's padding rows have no frame at all
-        stack_gemms = PackedGemms(F.pad(lengths, (0, pad_b)), steps)
-    else:
-        raise ValueError(f"lstm_stack: gemms must be 'dense' or 'packed', not {gemms!r}")
+        active = lengths.to(x.device).amax().clamp(0, steps).to(torch.int32).reshape(1)
     # a graph that nothing will differentiate (scoring, no_grad) needs no factor planes
     keep_factors = torch.is_grad_enabled() and (
         x.requires_grad or any(t.requires_grad for t in flat)
     )
-    y = _WaveStack.apply(kernels, stack_gemms, p, keep_factors, seed, active, row_keys, x, *flat)
+    y = _WaveStack.apply(kernels, p, keep_factors, seed, active, x, *flat)
     return y[:, :batch] if pad_b else y

@@ -136,24 +136,6 @@ def test_resume_mid_epoch_continues_exactly(
         assert torch.equal(a, b)
 
 
-def test_the_wave_encoders_gemms_over_real_frames_train_the_dense_runs_losses(corpus, tmp_path):
-    """model.encoder_gemms: packed (the rows ordered by length; Triton's interpreter here)
-    against dense, an epoch each, the encoder's dropout on (its masks follow the utterance, not
-    the row): the same losses to fp32 rounding, and the backend line says which ran."""
-    runs = {}
-    for gemms in ("dense", "packed"):
-        out = tmp_path / gemms
-        extra = ("model.encoder_lstm=wave", f"model.encoder_gemms={gemms}", "model.enc_dropout=0.2")
-        Trainer(make_cfg(corpus, out, *extra, "training.epochs=1"), CPU).fit()
-        (chosen,) = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "backends"]
-        runs[gemms] = (chosen["encoder_lstm"], losses(out))
-    assert runs["dense"][0] == "wave" and runs["packed"][0] == "wave/packed"
-    dense, packed = runs["dense"][1], runs["packed"][1]
-    assert sorted(packed) == sorted(dense) == list(range(1, 7))
-    for step in dense:
-        assert packed[step] == pytest.approx(dense[step], rel=1e-4), step
-
-
 def test_truncated_newest_checkpoint_falls_back_loudly(corpus, tmp_path, caplog):
     out = tmp_path / "run"
     cfg = make_cfg(corpus, out, "training.epochs=1")

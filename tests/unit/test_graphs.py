@@ -295,16 +295,11 @@ def test_dropout_draws_fresh_masks_at_every_replay():
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="the wave LSTM kernels need a Hopper GPU (sm_90)",
 )
-@pytest.mark.parametrize("gemms", ["dense", "packed"])
-def test_graphed_wave_encoder_matches_eager_and_draws_fresh_masks(gemms):
-    """With packed GEMMs the graph also sorts the rows by length and reads the lengths at
-    every replay."""
-    model = _gpu_model(enc_n_hid=1024, in_feats=256, encoder_lstm="wave", encoder_gemms=gemms)
+def test_graphed_wave_encoder_matches_eager_and_draws_fresh_masks():
+    model = _gpu_model(enc_n_hid=1024, in_feats=256, encoder_lstm="wave")
     graphs = TrainingGraphs(model, 6, 40, 10, 2, torch.float16, "cuda")
     _assert_graphs_match_eager(model, graphs, [(6, 40, 10), (6, 17, 4), (3, 29, 7)])
-    model = _gpu_model(
-        enc_n_hid=1024, in_feats=256, encoder_lstm="wave", encoder_gemms=gemms, enc_dropout=0.5
-    )
+    model = _gpu_model(enc_n_hid=1024, in_feats=256, encoder_lstm="wave", enc_dropout=0.5)
     graphs = TrainingGraphs(model, 4, 16, 8, 1, torch.float16, "cuda")
     x, x_lens, _, _ = _batch(model, 4, 16, 8, seed=0)
     f1 = graphs.encode(x, x_lens)[0].clone()

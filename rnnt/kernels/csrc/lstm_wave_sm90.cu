@@ -80,10 +80,8 @@ __host__ __device__ __forceinline__ uint32_t mix(uint32_t x) {
   return x;
 }
 // Dropout keys (rnnt/kernels/lstm_wave.py's keep_mask is their reference): one seed per (layer,
-// step), then one hash per pair of row keys k, k + 1 (k even) of a unit, 16 bits per key. A row's
-// key is its place in the batch as the caller gave it (row_keys, or the row itself): the keys do
-// not depend on the batch size, so padding the batch leaves the real rows' masks as they are, and
-// rows reordered by length keep the masks of their places.
+// step), then one hash per pair of batch rows b, b + 1 (b even) of a unit, 16 bits per row. They do
+// not depend on the batch size, so padding the batch leaves the real rows' masks as they are.
 __host__ __device__ __forceinline__ uint32_t step_seed(uint32_t seed, int layer, int t) {
   return mix(mix(seed + 0x9e3779b9u * (layer + 1)) + 0x85ebca6bu * (t + 1));
 }
@@ -92,30 +90,6 @@ __host__ __device__ __forceinline__ uint32_t drop_key(uint32_t step, uint32_t ev
 }
 __host__ __device__ __forceinline__ bool dropped(uint32_t key, int bit, uint32_t threshold) {
   return ((bit ? key >> 16 : key) & 0xFFFFu) < threshold;
-}
-// The hashes of batch rows b (even) and b + 1, and which half of each is the row's. Without row
-// keys one hash serves both rows; with them (KEYED, a kernel of its own, so that the default
-// path compiles as it did without them) each row hashes its own key's pair.
-struct PairKeys {
-  uint32_t hash[2];
-  int half[2];
-};
-template <bool KEYED>
-__device__ __forceinline__ PairKeys pair_keys(uint32_t step, const int* row_keys, int b, int unit) {
-  PairKeys k;
-  if (!KEYED) {
-    k.hash[0] = k.hash[1] = drop_key(step, b, unit);
-    k.half[0] = 0;
-    k.half[1] = 1;
-  } else {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const uint32_t key = __ldg(row_keys + b + i);
-      k.hash[i] = drop_key(step, key & ~1u, unit);
-      k.half[i] = key & 1;
-    }
-  }
-  return k;
 }
 // What one launch runs: up to MAX_JOBS (layer, step) cells of the stack, in CTA order; the host's
 // schedule (wave_schedule) decides which, so that a launch fills the GPU once and no more.
@@ -251,12 +225,11 @@ struct Params {  // 64-byte aligned through CUtensorMap
   uint32_t drop_threshold;  // 16-bit: drop when a key's half is below it
   const uint32_t* seed;     // on the device: drawn per call, so graph replays draw afresh
   const int* active;        // null, or the active steps on the device (see the top)
-  const int* row_keys;      // KEYED kernels: [B] on the device, each row's dropout key
 };
 
 // HINTS: TMA copies with L2 eviction priorities: W's tiles (read again at every step) last, the
 // factor planes (read back only by the backward) and x W_ih^T's tiles first
-template <int RING, bool HINTS, bool KEYED>
+template <int RING, bool HINTS>
 __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Params p) {
   constexpr int STAGES = RING;
   extern __shared__ uint8_t raw[];
@@ -413,7 +386,7 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
         for (int m = 0; m < 4; ++m) {
           const int jj = 4 * pj + m;
           float v[2 + N_FACTORS][2];
-          const PairKeys keys = pair_keys<KEYED>(step, p.row_keys, row0 + 8 * jj + 2 * q, unit);
+          const uint32_t key = drop_key(step, row0 + 8 * jj + 2 * q, unit);
 #pragma unroll
           for (int bit = 0; bit < 2; ++bit) {
             const int b = 8 * jj + 2 * q + bit;  // batch row inside the tile
@@ -437,8 +410,7 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
             const float tc = tanh_fast(c);
             const float h = __half2float(__float2half_rn(go * tc));
             v[0][bit] = h;
-            v[1][bit] =
-                dropped(keys.hash[bit], keys.half[bit], p.drop_threshold) ? 0.f : h * p.keep_scale;
+            v[1][bit] = dropped(key, bit, p.drop_threshold) ? 0.f : h * p.keep_scale;
             // the backward's factors (see wave_ref.py)
             v[2][bit] = go * (1.f - tc * tc);
             v[3][bit] = gg * gi * (1.f - gi);
@@ -535,11 +507,10 @@ struct Params {  // 64-byte aligned through CUtensorMap
   uint32_t drop_threshold;  // 16-bit, as the forward's
   const uint32_t* seed;     // the forward's
   const int* active;        // the forward's
-  const int* row_keys;      // the forward's
 };
 
 // HINTS: as the forward's; here W^T's tiles last, the forward's factor planes and dy first
-template <int RING, bool HINTS, bool KEYED>
+template <int RING, bool HINTS>
 __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ Params p) {
   constexpr int STAGES = RING;
   static_assert(ring_fits(RING), "the epilogue's inputs and staging fit in the ring");
@@ -725,8 +696,7 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
           for (int m = 0; m < 4; ++m) {
             const int i = m & 1, j = 2 * pj + (m >> 1);
             const int ul = 16 * warp + 8 * i + r;  // unit inside the tile
-            const PairKeys keys =
-                pair_keys<KEYED>(step, p.row_keys, row0 + 8 * j + 2 * q, ut * BM + ul);
+            const uint32_t key = drop_key(step, row0 + 8 * j + 2 * q, ut * BM + ul);
             float4 pv = make_float4(0.f, 0.f, 0.f, 0.f);
             float dzf[4][2];
 #pragma unroll
@@ -741,8 +711,7 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
                 const float* pf = &pv.x;
                 dy = pf[k & 3];
               }
-              const bool drop = dropped(keys.hash[bit], keys.half[bit], p.drop_threshold);
-              const float dh = d[k] + (drop ? 0.f : dy * p.keep_scale);
+              const float dh = d[k] + (dropped(key, bit, p.drop_threshold) ? 0.f : dy * p.keep_scale);
               float a[5];
 #pragma unroll
               for (int f = 0; f < 5; ++f) {
@@ -832,18 +801,17 @@ constexpr int kMaxDevices = 64;
 // Measured and dropped (docs/PERFORMANCE.md): 128-wide forward stages, clusters of two
 // multicasting W's tile, backward rings 9 or 10 deep, and each MMA split on the batch rows'
 // halves (two accumulation chains instead of one: slower).
-// kernel[keyed]: without and with row keys
-struct FwdVariant { void (*kernel[2])(fwd::Params); int ring; bool pdl; };
+struct FwdVariant { void (*kernel)(fwd::Params); int ring; bool pdl; };
 const FwdVariant kFwdVariants[] = {
-    {{fwd::wave_t<7, false, false>, fwd::wave_t<7, false, true>}, 7, false},
-    {{fwd::wave_t<7, false, false>, fwd::wave_t<7, false, true>}, 7, true},
-    {{fwd::wave_t<7, true, false>, fwd::wave_t<7, true, true>}, 7, true},
+    {fwd::wave_t<7, false>, 7, false},
+    {fwd::wave_t<7, false>, 7, true},
+    {fwd::wave_t<7, true>, 7, true},
 };
-struct BwdVariant { void (*kernel[2])(bwd::Params); int ring; bool pdl; };
+struct BwdVariant { void (*kernel)(bwd::Params); int ring; bool pdl; };
 const BwdVariant kBwdVariants[] = {
-    {{bwd::wave_bwd<8, false, false>, bwd::wave_bwd<8, false, true>}, 8, false},
-    {{bwd::wave_bwd<8, false, false>, bwd::wave_bwd<8, false, true>}, 8, true},
-    {{bwd::wave_bwd<8, true, false>, bwd::wave_bwd<8, true, true>}, 8, true},
+    {bwd::wave_bwd<8, false>, 8, false},
+    {bwd::wave_bwd<8, false>, 8, true},
+    {bwd::wave_bwd<8, true>, 8, true},
 };
 constexpr int kFwdCount = sizeof(kFwdVariants) / sizeof(kFwdVariants[0]);
 constexpr int kBwdCount = sizeof(kBwdVariants) / sizeof(kBwdVariants[0]);
@@ -971,13 +939,11 @@ extern "C" {
 //             (rnnt/kernels/lstm_wave.py: gate_permutation)
 // seed: one uint32 on the device. active: null, or one int32 on the device, n: the steps t >= n
 // are padding (their h and yseq rows come out zero; cstate ends at c(n - 1); their factors are not
-// written). row_keys: null (row b's dropout key is b), or [B] int32 on the device. Returns 0 or a
-// code that wave_lstm_error describes.
+// written). Returns 0 or a code that wave_lstm_error describes.
 int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void* const* x_in,
                       void* const* xw, void* const* hseq, void* const* yseq, void* const* cstate,
                       void* const* factors, void* const* bias, void* const* w, float p_drop,
-                      const void* seed, const void* active, const void* row_keys, int variant,
-                      void* stream) {
+                      const void* seed, const void* active, int variant, void* stream) {
   if (variant < 0 || variant >= kFwdCount) return kBadVariant;
   const FwdVariant& v = kFwdVariants[variant];
   if (layers < 1 || layers > fwd::MAX_LAYERS || T < 1 || B < fwd::BN || B % fwd::BN ||
@@ -1019,12 +985,9 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
   p.drop_threshold = drop_threshold(p_drop);
   p.seed = static_cast<const uint32_t*>(seed);
   p.active = static_cast<const int*>(active);
-  p.row_keys = static_cast<const int*>(row_keys);
   const int smem = fwd::smem_bytes(v.ring);
-  const int keyed = row_keys != nullptr;
-  const auto kernel = v.kernel[keyed];
-  static bool smem_done[kFwdCount][2][kMaxDevices] = {};
-  int r = allow_smem(device, kernel, smem, smem_done[variant][keyed]);
+  static bool smem_done[kFwdCount][kMaxDevices] = {};
+  int r = allow_smem(device, v.kernel, smem, smem_done[variant]);
   if (r) return r;
   int ctas[MAX_JOBS];
   stage_ctas(false, layers, B, ctas);
@@ -1033,7 +996,7 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
     p.jobs = cells_to_jobs(false, layers, T, cells);
     int total = 0;
     for (int j = 0; j < cells.count; ++j) total += ctas[cells.layer[j]];
-    const int r = launch(kernel, p, total, 1, smem, v.pdl && !first,
+    const int r = launch(v.kernel, p, total, 1, smem, v.pdl && !first,
                          static_cast<cudaStream_t>(stream));
     first = false;
     return r;
@@ -1049,13 +1012,13 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
 //   dbias[l] [T * B / 96, 4H] fp32 (written): dz[l] summed over each 96-row batch tile, in dz's
 //             columns; the bias gradient is its column sum
 // dy_top [T*B, H] fp16: the gradient of the last layer's yseq; rows at t >= *active are not read
-// (active and row_keys: the forward's) and dz's rows and the partial sums there come out zero.
-// The weight gradients, the bias gradients and the input's gradient are GEMMs over dz afterwards
+// (active: the forward's) and dz's rows and the partial sums there come out zero. The weight
+// gradients, the bias gradients and the input's gradient are GEMMs over dz afterwards
 // (lstm_wave.py).
 int wave_lstm_backward(int device, int layers, int T, int B, const int* kin, void* const* wt,
                        void* const* dz, void* const* fac, void* const* dc, void* const* dbias,
                        void* dy_top, float p_drop, const void* seed, const void* active,
-                       const void* row_keys, int variant, void* stream) {
+                       int variant, void* stream) {
   if (variant < 0 || variant >= kBwdCount) return kBadVariant;
   const BwdVariant& v = kBwdVariants[variant];
   if (layers < 1 || layers > bwd::MAX_LAYERS || T < 1 || B < 2 * bwd::BN || B % (2 * bwd::BN) ||
@@ -1088,12 +1051,9 @@ int wave_lstm_backward(int device, int layers, int T, int B, const int* kin, voi
   p.drop_threshold = drop_threshold(p_drop);
   p.seed = static_cast<const uint32_t*>(seed);
   p.active = static_cast<const int*>(active);
-  p.row_keys = static_cast<const int*>(row_keys);
   const int smem = bwd::smem_bytes(v.ring);
-  const int keyed = row_keys != nullptr;
-  const auto kernel = v.kernel[keyed];
-  static bool smem_done[kBwdCount][2][kMaxDevices] = {};
-  r = allow_smem(device, kernel, smem, smem_done[variant][keyed]);
+  static bool smem_done[kBwdCount][kMaxDevices] = {};
+  r = allow_smem(device, v.kernel, smem, smem_done[variant]);
   if (r) return r;
   int ctas[MAX_JOBS];
   stage_ctas(true, layers, B, ctas);
@@ -1102,7 +1062,7 @@ int wave_lstm_backward(int device, int layers, int T, int B, const int* kin, voi
     p.jobs = cells_to_jobs(true, layers, T, cells);
     int total = 0;
     for (int j = 0; j < cells.count; ++j) total += ctas[cells.layer[j]];
-    const int r = launch(kernel, p, total, 2, smem, v.pdl && !first,
+    const int r = launch(v.kernel, p, total, 2, smem, v.pdl && !first,
                          static_cast<cudaStream_t>(stream));
     first = false;
     return r;
