@@ -790,6 +790,37 @@ def test_gpu_every_variant_is_bitwise_the_same_and_graphs_draw_fresh_masks():
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("k_in, n_layers, batch", [(256, 2, 192), (2048, 3, 384)])
+def test_gpu_overlapped_waves_give_the_bits_of_serialized_ones_on_long_ragged_stacks(
+    k_in, n_layers, batch
+):
+    """The default variant (each wave starts before the previous one ends) against variant 0
+    (each wave after the previous one), over enough steps and repeats that a wave reading what
+    its predecessor has not yet written would show: the pre-RNN shape, and the post-RNN one with
+    its hoisted input GEMM, four batch tiles and padding steps."""
+    steps, p = 150, 0.1
+    layers = random_stack(
+        k_in, lstm_wave.HIDDEN, n_layers, dtype=torch.float16, device="cuda", scale=0.03
+    )
+    x = torch.randn(steps, batch, k_in, device="cuda", dtype=torch.float16, requires_grad=True)
+    dy = torch.randn(steps, batch, lstm_wave.HIDDEN, device="cuda", dtype=torch.float16)
+    lengths = torch.randint(1, steps - 20, (batch,), device="cuda")
+    seed = seed_tensor(3, "cuda")
+    params = [x, *flat(layers)]
+
+    def run(kernels):
+        y = lstm_stack(x, layers, p, seed, kernels, lengths=lengths)
+        return (y, *torch.autograd.grad(y, params, dy))
+
+    want = run(lstm_wave.CudaKernels(0, 0))
+    assert want[0].abs().sum() > 0 and all(g.abs().sum() > 0 for g in want[1:])
+    for _ in range(3):
+        got = run(lstm_wave.CudaKernels())
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_gpu_scoring_writes_no_factor_planes_and_gives_the_same_bits():
     steps, batch, k_in = 64, 192, 2048
     layers = random_stack(k_in, lstm_wave.HIDDEN, 3, dtype=torch.float16, device="cuda", scale=0.03)

@@ -21,7 +21,8 @@
 //   A5 = tanh(c) o (1 - o), A6 = f
 //   dc = dh A1 + A6(t + 1) dc(t + 1),  dz = (dc A2, dc A3, dc A4, dh A5).
 // Backward GEMM: dh^T = W^T x dz^T (64 units x 96 batch rows, K = 4H); below the top layer a
-// cluster pair splits K between the recurrent part and the layer above's part.
+// cluster pair splits K between the recurrent part and the layer above's part. Its epilogue runs
+// on both warp groups, half the units each (the producer's is idle once its loads are issued).
 // Design, measurements and what did not pay: docs/PERFORMANCE.md.
 #include <cuda.h>
 #include <cuda_fp16.h>
@@ -142,6 +143,12 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
                "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
                : "memory");
 }
+// the same for two matrices (lanes 0-15 give the addresses)
+__device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, const uint32_t (&v)[2]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};" ::"r"(addr),
+               "r"(v[0]), "r"(v[1])
+               : "memory");
+}
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -153,6 +160,13 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&v)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+               : "r"(addr)
+               : "memory");
+}
+// the same for two matrices (lanes 0-15 give the addresses)
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t addr, uint32_t (&v)[2]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
+               : "=r"(v[0]), "=r"(v[1])
                : "r"(addr)
                : "memory");
 }
@@ -490,7 +504,12 @@ __host__ __device__ constexpr int staging_offset(int ring, int k_blocks) {
 __host__ __device__ constexpr bool ring_fits(int ring) {
   return staging_offset(ring, 0) >= 0 && staging_offset(ring, 4 * HID / BK) >= 0;
 }
-__host__ __device__ constexpr int smem_bytes(int ring) { return ring * SUB + PART + 1024 + 256; }
+// the accumulators a consumer thread hands to its producer twin, d[4 j + 2] and d[4 j + 3] for the
+// 12 batch blocks j, after the barriers
+constexpr int HANDOFF_BYTES = 24 * 128 * 4;
+__host__ __device__ constexpr int smem_bytes(int ring) {
+  return ring * SUB + PART + 1024 + 256 + HANDOFF_BYTES;
+}
 
 struct Params {  // 64-byte aligned through CUtensorMap
   CUtensorMap wt[MAX_LAYERS];   // [kin + H, 4H] fp16 W^T, permuted gate columns, box 64 x 64
@@ -509,7 +528,106 @@ struct Params {  // 64-byte aligned through CUtensorMap
   const int* active;        // the forward's
 };
 
-// HINTS: as the forward's; here W^T's tiles last, the forward's factor planes and dy first
+// The epilogue of a main CTA's tile for accumulator row I of each thread (units 16 warp + 8 I + r
+// of the tile): dh from d (this thread's accumulator fragments, or the same values handed over)
+// and the partner's partials or dy, dc through the dc tile, dz staged at `staging` for its TMA
+// store, and the bias gradient's partial sums of those units. The consumer's warp group runs
+// I = 0, the producer's I = 1. The epilogue's inputs are at e.
+template <int I>
+__device__ __forceinline__ void cells(const Params& p, const float (&d)[48], int tid, uint32_t e,
+                                      uint32_t part, uint32_t staging, int l, int t, int ut, int nb,
+                                      int row0, bool top, bool last_step) {
+  const int warp = tid / 32, lane = tid % 32, q = lane & 3, r = lane >> 2;
+  const int nb_count = p.B / BN;
+  const uint32_t step = step_seed(*p.seed, l, t);
+  const int c8 = lane & 7;
+  const int ul = 16 * warp + 8 * I + r;  // this thread's unit inside the tile
+  float dbias[4] = {};  // [gate]: this thread's rows of dz (as stored, fp16) summed
+#pragma unroll
+  for (int pj = 0; pj < 6; ++pj) {
+    // ldmatrix / stmatrix: lanes 0-15 address matrix mj = lane / 8 % 2, batch block 2 pj + mj
+    const int j_l = 2 * pj + ((lane >> 3) & 1);
+    const uint32_t frag = swz128((8 * j_l + c8) * 128 + (16 * warp + 8 * I) * 2);
+    uint32_t fv[7][2];
+#pragma unroll
+    for (int f = 0; f < 7; ++f) {
+      if ((f == 5 && last_step) || (f == 6 && !top)) continue;
+      ldmatrix_x2_trans(e + (f < 5 ? f * F_TILE : f == 5 ? E_FNEXT : E_DY) + frag, fv[f]);
+    }
+    uint32_t dzv[4][2];  // [gate][matrix]
+#pragma unroll
+    for (int mj = 0; mj < 2; ++mj) {
+      const int j = 2 * pj + mj;
+      const uint32_t key = drop_key(step, row0 + 8 * j + 2 * q, ut * BM + ul);
+      float4 pv = make_float4(0.f, 0.f, 0.f, 0.f);
+      float dzf[4][2];
+#pragma unroll
+      for (int bit = 0; bit < 2; ++bit) {
+        const int k = 4 * j + 2 * I + bit, b = 8 * j + 2 * q + bit;
+        float dy;
+        if (top) {
+          const float2 v = unpack_half2(fv[6][mj]);
+          dy = bit ? v.y : v.x;
+        } else {
+          if (bit == 0) pv = ld_shared_v4(part + ((k >> 2) * 128 + tid) * 16);
+          const float* pf = &pv.x;
+          dy = pf[k & 3];
+        }
+        const float dh = d[k] + (dropped(key, bit, p.drop_threshold) ? 0.f : dy * p.keep_scale);
+        float a[5];
+#pragma unroll
+        for (int f = 0; f < 5; ++f) {
+          const float2 v = unpack_half2(fv[f][mj]);
+          a[f] = bit ? v.y : v.x;
+        }
+        const uint32_t ca = e + E_DC + (ul >> 5) * DC_BOX + swz128(b * 128 + (ul & 31) * 4);
+        float dc = dh * a[0];
+        if (!last_step) {
+          const float2 v = unpack_half2(fv[5][mj]);
+          dc = fmaf(bit ? v.y : v.x, ld_shared_f32(ca), dc);
+        }
+        st_shared_f32(ca, dc);
+        dzf[0][bit] = dc * a[1];
+        dzf[1][bit] = dc * a[2];
+        dzf[2][bit] = dc * a[3];
+        dzf[3][bit] = dh * a[4];
+      }
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        dzv[g][mj] = pack_half2(dzf[g][0], dzf[g][1]);
+        const float2 stored = unpack_half2(dzv[g][mj]);
+        dbias[g] += stored.x + stored.y;
+      }
+    }
+    // dz of unit ul, gate g goes to the forward's permuted column: quarter 2 (ul / 32) +
+    // g / 2 of the tile's 256 columns, column 16 ((ul % 32) / 8) + 8 (g % 2) + ul % 8
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const int quarter = 2 * (warp >> 1) + (g >> 1);
+      const int col = 16 * ((2 * warp + I) & 3) + 8 * (g & 1);
+      stmatrix_x2_trans(staging + quarter * F_TILE + swz128((8 * j_l + c8) * 128 + col * 2),
+                        dzv[g]);
+    }
+  }
+  // the bias gradient's partial sums (a deterministic order, unlike atomics): the four lanes of a
+  // unit hold its 96 batch rows; columns as dz's
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    float v = dbias[g];
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    if (q == 0) {
+      const int col = ut * 4 * BM + 64 * (2 * (warp >> 1) + (g >> 1)) +
+                      16 * ((2 * warp + I) & 3) + 8 * (g & 1) + r;
+      p.dbias[l][static_cast<long>(t * nb_count + nb) * 4 * HID + col] = v;
+    }
+  }
+}
+
+// HINTS: as the forward's; here W^T's tiles last, the forward's factor planes and dy first. In a
+// main CTA both warp groups run the epilogue: the producer's, idle once its loads are issued,
+// takes accumulator rows i = 1 from the consumer through shared memory, the consumer keeps i = 0,
+// so that each warp scheduler has two warps of epilogue arithmetic where it had one.
 template <int RING, bool HINTS>
 __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ Params p) {
   constexpr int STAGES = RING;
@@ -523,6 +641,8 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
   uint64_t* empty = full + STAGES;
   uint64_t* ebar = empty + STAGES;  // the epilogue's TMA inputs
   uint64_t* pbar = ebar + 1;        // the partner's accumulators
+  // the consumer's accumulators for the producer's epilogue, past the barriers' 256 bytes
+  const uint32_t hand = smem_u32(part_area) + PART + 256;
 
   // which (layer, unit tile, batch tile, role) this CTA is
   const int nb_count = p.B / BN;
@@ -632,9 +752,25 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
         }
       }
     }
+    if (!partner) {
+      __syncwarp();  // thread 0 ran the loads alone: the warp's .aligned instructions need it back
+      float d[48];  // only the handed-over entries, d[4 j + 2] and d[4 j + 3], are set and read
+      asm volatile("bar.sync 2, 256;" ::: "memory");  // the consumer's bar.arrive: d is there
+#pragma unroll
+      for (int j = 0; j < 12; ++j)
+#pragma unroll
+        for (int bit = 0; bit < 2; ++bit)
+          d[4 * j + 2 + bit] = ld_shared_f32(hand + ((2 * j + bit) * 128 + tid) * 4);
+      mbar_wait(ebar, 0);
+      if (!top) mbar_wait<true>(pbar, 0);
+      cells<1>(p, d, tid, smem_u32(epi), smem_u32(part_area), smem_u32(staging), l, t, ut, nb,
+                  row0, top, last_step);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      asm volatile("bar.sync 1, 256;" ::: "memory");  // the consumer stores both halves
+    }
   } else {
     wait_previous_wave();
-    const int warp = tid / 32, lane = tid % 32, q = lane & 3, r = lane >> 2;
+    const int lane = tid % 32;
     float d[48];
     for (int kb = 0; kb < k_blocks; ++kb) {
       const int s = kb % STAGES;
@@ -661,6 +797,14 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
 #pragma unroll
       for (int k = 0; k < 48; ++k) d[k] = 0.f;
     }
+    if (!partner) {
+#pragma unroll
+      for (int j = 0; j < 12; ++j)
+#pragma unroll
+        for (int bit = 0; bit < 2; ++bit)
+          st_shared_f32(hand + ((2 * j + bit) * 128 + tid) * 4, d[4 * j + 2 + bit]);
+      asm volatile("bar.arrive 2, 256;" ::: "memory");
+    }
     if (partner) {
       {
         // thread tid's accumulators, 4 at a time, into the main CTA's partner area
@@ -676,94 +820,10 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
       mbar_wait(ebar, 0);
       {
         if (!top) mbar_wait<true>(pbar, 0);
-        const uint32_t e = smem_u32(epi), part = smem_u32(part_area);
-        const uint32_t step = step_seed(*p.seed, l, t);
-        const int mi = lane >> 3, c8 = lane & 7;
-        float dbias[2][4] = {};  // [i][gate]: this thread's rows of dz (as stored, fp16) summed
-        // this thread's accumulator rows: units 16 warp + 8 i + r of the tile (i = 0, 1)
-#pragma unroll
-        for (int pj = 0; pj < 6; ++pj) {
-          // ldmatrix / stmatrix matrix mi: i = mi % 2, batch block j = 2 pj + mi / 2
-          const int i_l = mi & 1, j_l = 2 * pj + (mi >> 1);
-          const uint32_t frag = swz128((8 * j_l + c8) * 128 + (16 * warp + 8 * i_l) * 2);
-          uint32_t fv[7][4];
-#pragma unroll
-          for (int f = 0; f < 5; ++f) ldmatrix_x4_trans(e + f * F_TILE + frag, fv[f]);
-          if (!last_step) ldmatrix_x4_trans(e + E_FNEXT + frag, fv[5]);
-          if (top) ldmatrix_x4_trans(e + E_DY + frag, fv[6]);
-          uint32_t dzv[4][4];  // [gate][matrix]
-#pragma unroll
-          for (int m = 0; m < 4; ++m) {
-            const int i = m & 1, j = 2 * pj + (m >> 1);
-            const int ul = 16 * warp + 8 * i + r;  // unit inside the tile
-            const uint32_t key = drop_key(step, row0 + 8 * j + 2 * q, ut * BM + ul);
-            float4 pv = make_float4(0.f, 0.f, 0.f, 0.f);
-            float dzf[4][2];
-#pragma unroll
-            for (int bit = 0; bit < 2; ++bit) {
-              const int k = 4 * j + 2 * i + bit, b = 8 * j + 2 * q + bit;
-              float dy;
-              if (top) {
-                const float2 v = unpack_half2(fv[6][m]);
-                dy = bit ? v.y : v.x;
-              } else {
-                if (bit == 0) pv = ld_shared_v4(part + ((k >> 2) * 128 + tid) * 16);
-                const float* pf = &pv.x;
-                dy = pf[k & 3];
-              }
-              const float dh = d[k] + (dropped(key, bit, p.drop_threshold) ? 0.f : dy * p.keep_scale);
-              float a[5];
-#pragma unroll
-              for (int f = 0; f < 5; ++f) {
-                const float2 v = unpack_half2(fv[f][m]);
-                a[f] = bit ? v.y : v.x;
-              }
-              const uint32_t ca = e + E_DC + (ul >> 5) * DC_BOX + swz128(b * 128 + (ul & 31) * 4);
-              float dc = dh * a[0];
-              if (!last_step) {
-                const float2 v = unpack_half2(fv[5][m]);
-                dc = fmaf(bit ? v.y : v.x, ld_shared_f32(ca), dc);
-              }
-              st_shared_f32(ca, dc);
-              dzf[0][bit] = dc * a[1];
-              dzf[1][bit] = dc * a[2];
-              dzf[2][bit] = dc * a[3];
-              dzf[3][bit] = dh * a[4];
-            }
-#pragma unroll
-            for (int g = 0; g < 4; ++g) {
-              dzv[g][m] = pack_half2(dzf[g][0], dzf[g][1]);
-              const float2 stored = unpack_half2(dzv[g][m]);
-              dbias[m & 1][g] += stored.x + stored.y;
-            }
-          }
-          // dz of unit ul, gate g goes to the forward's permuted column: quarter 2 (ul / 32) +
-          // g / 2 of the tile's 256 columns, column 16 ((ul % 32) / 8) + 8 (g % 2) + ul % 8
-#pragma unroll
-          for (int g = 0; g < 4; ++g) {
-            const int quarter = 2 * (warp >> 1) + (g >> 1);
-            const int col = 16 * ((2 * warp + i_l) & 3) + 8 * (g & 1);
-            stmatrix_x4_trans(smem_u32(staging) + quarter * F_TILE + swz128((8 * j_l + c8) * 128 + col * 2),
-                              dzv[g]);
-          }
-        }
-        // the bias gradient's partial sums (a deterministic order, unlike atomics): the four
-        // lanes of a unit hold its 96 batch rows; columns as dz's
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-          for (int g = 0; g < 4; ++g) {
-            float v = dbias[i][g];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            if (q == 0) {
-              const int col = ut * 4 * BM + 64 * (2 * (warp >> 1) + (g >> 1)) +
-                              16 * ((2 * warp + i) & 3) + 8 * (g & 1) + r;
-              p.dbias[l][static_cast<long>(t * nb_count + nb) * 4 * HID + col] = v;
-            }
-          }
+        cells<0>(p, d, tid, smem_u32(epi), smem_u32(part_area), smem_u32(staging), l, t, ut, nb,
+                 row0, top, last_step);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("bar.sync 1, 128;" ::: "memory");
+        asm volatile("bar.sync 1, 256;" ::: "memory");  // the producer's rows are staged too
         if (tid == 0) {
           for (int qt = 0; qt < 4; ++qt)
             tma_store_2d(&p.dz[l], staging + qt * F_TILE, ut * 4 * BM + 64 * qt, t * p.B + row0);
@@ -799,8 +859,10 @@ constexpr int kMaxDevices = 64;
 // (1-2% slower a stack, docs/PERFORMANCE.md), variant 0 launches every wave after the previous
 // one ends (no programmatic dependent launch): the A/B references of bench/encoder_lstm.py.
 // Measured and dropped (docs/PERFORMANCE.md): 128-wide forward stages, clusters of two
-// multicasting W's tile, backward rings 9 or 10 deep, and each MMA split on the batch rows'
-// halves (two accumulation chains instead of one: slower).
+// multicasting W's tile, backward rings 9 or 10 deep, each MMA split on the batch rows' halves
+// (two accumulation chains instead of one: slower), the forward's epilogue on both warp groups
+// (no gain, unlike the backward's), and ready counters per cell in place of the wait for the
+// whole previous wave (slower: a cell's stores must complete before it signals).
 struct FwdVariant { void (*kernel)(fwd::Params); int ring; bool pdl; };
 const FwdVariant kFwdVariants[] = {
     {fwd::wave_t<7, false>, 7, false},
