@@ -144,9 +144,9 @@ def pad_into(static: torch.Tensor, x: torch.Tensor, fill: float | int) -> None:
 
 class _EncodeSegment(nn.Module):
     """The graphed unit of the encoder: x (L, B, F), lens (B,) -> f (B, ceil(L / stack), H),
-    f_lens (B,). Mirrors `Encoder.forward` (the CPU tests compare the two); stack-time zeroes
-    every frame past each utterance's length, the bucket's padding included. A fresh wrapper
-    per bucket, because make_graphed_callables replaces the `forward` of the module it is given.
+    f_lens (B,), by `Encoder.forward` (stack-time zeroes every frame past each utterance's
+    length, the bucket's padding included). A fresh wrapper per bucket, because
+    make_graphed_callables replaces the `forward` of the module it is given.
     """
 
     def __init__(self, encoder: nn.Module) -> None:
@@ -154,12 +154,7 @@ class _EncodeSegment(nn.Module):
         self.encoder = encoder
 
     def forward(self, x: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        enc = self.encoder
-        # the lengths let the wave LSTM skip the bucket's padding steps on the device
-        h, _ = enc.pre_rnn(x, lengths=lens)
-        h, lens = enc.stack_time(h, lens)
-        h, _ = enc.post_rnn(h, lengths=lens)
-        return enc.joint_enc(h.transpose(0, 1)), lens
+        return self.encoder(x, lens)
 
 
 class _PredictSegment(nn.Module):

@@ -154,8 +154,11 @@ class StackedLSTM(nn.Module):
         )
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
-    def _runs_wave(self, x: torch.Tensor, state: LSTMState | None) -> bool:
-        if self.lstm == "auto" and state is not None:
+    def runs_wave(self, x: torch.Tensor, state: LSTMState | None = None) -> bool:
+        """Whether forward(x, state) runs the wave kernels in the current mode."""
+        if not self.training:
+            return self.eval_lstm == "wave"
+        if self.lstm == "cudnn" or (self.lstm == "auto" and state is not None):
             return False
         key = (self.lstm, x.device, x.shape[1], self.hidden_size, self.num_layers)
         return _resolve_stack(*key)[0] == "wave"
@@ -169,17 +172,20 @@ class StackedLSTM(nn.Module):
         x: torch.Tensor,
         state: LSTMState | None = None,
         lengths: torch.Tensor | None = None,
+        stack_pairs: bool = False,
     ) -> tuple[torch.Tensor, LSTMState | None]:
-        if self.lstm != "cudnn" and self.training and self._runs_wave(x, state):
+        """stack_pairs (wave kernels only, with lengths): the output as StackTime(2) makes it,
+        (ceil(T / 2), B, 2H) with each row's padding frames zero, written so by the kernels."""
+        if self.runs_wave(x, state):
             if state is not None:
                 raise ValueError("the wave LSTM runs from zero state only")
-            y = lstm_wave.lstm_stack(x, self.layer_weights(), self.dropout_p, lengths=lengths)
-            return y, None
-        if self.eval_lstm == "wave" and not self.training:
-            if state is not None:
-                raise ValueError("the wave LSTM runs from zero state only")
-            y = lstm_wave.lstm_stack(x, self.layer_weights(), 0.0, lengths=lengths)
-            return y.to(x.dtype), None
+            p = self.dropout_p if self.training else 0.0
+            y = lstm_wave.lstm_stack(
+                x, self.layer_weights(), p, lengths=lengths, stack_pairs=stack_pairs
+            )
+            return (y if self.training else y.to(x.dtype)), None
+        if stack_pairs:
+            raise ValueError("stack_pairs: only the wave kernels write stacked frames")
         x, state = self.layers[0](x, state)
         return self.dropout(x), state
 
@@ -244,8 +250,13 @@ class Encoder(nn.Module):
         self.joint_enc = nn.Linear(hid, cfg.joint_n_hid)
 
     def forward(self, x: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, _ = self.pre_rnn(x, lengths=lens)
-        x, lens = self.stack_time(x, lens)
+        if self.stack_time.factor == 2 and self.pre_rnn.runs_wave(x):
+            # the kernels write the stacked, masked frames themselves: no copies between stacks
+            x, _ = self.pre_rnn(x, lengths=lens, stack_pairs=True)
+            lens = self.stack_time.output_lengths(lens)
+        else:
+            x, _ = self.pre_rnn(x, lengths=lens)
+            x, lens = self.stack_time(x, lens)
         x, _ = self.post_rnn(x, lengths=lens)
         return self.joint_enc(x.transpose(0, 1)), lens
 

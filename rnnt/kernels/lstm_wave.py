@@ -26,6 +26,11 @@ Padding steps: given the batch's lengths, the steps past the longest are padding
 bucket is longer than most batches run through it). The kernels skip them on the device, and
 their outputs there are zero; everything before them is what the stack of the shorter length
 computes.
+
+Stacked frames: with `stack_pairs` the last layer writes its output the way the encoder's
+stacking of two frames (model.StackTime) reads it, frames 2u and 2u + 1 side by side and each
+row's padding frames zero, and its backward reads the gradient in that layout: nothing copies the
+sequence between the encoder's two stacks.
 """
 
 from __future__ import annotations
@@ -160,6 +165,14 @@ def gate_permutation(hidden: int, device: torch.device | str | None = None) -> t
     return (2 * half + i) * hidden + 32 * n + 8 * warp + r
 
 
+def _out_step(seq: torch.Tensor, t: int, steps: int, batch: int, pairs: bool) -> torch.Tensor:
+    """Step t's (B, H) rows of a layer's output sequence: [T B, H], or in frame pairs
+    [ceil(T / 2) B, 2H] (steps 2u and 2u + 1 side by side in row u B + b)."""
+    if not pairs:
+        return seq.view(steps, batch, -1)[t]
+    return seq.view(-(-steps // 2), batch, 2, -1)[t // 2, :, t % 2]
+
+
 class TorchKernels:
     """The two kernels' contract in plain PyTorch: the same buffers, filled with the same maths
     (csrc/lstm_wave_sm90.cu documents each buffer). Arithmetic in fp32 for fp16 buffers, in the
@@ -174,16 +187,32 @@ class TorchKernels:
         return steps if active is None else max(0, min(steps, int(active.item())))
 
     def forward(
-        self, x, hseq, yseq, cstate, factors, bias, w, p, seed, x_gates=None, active=None
+        self,
+        x,
+        hseq,
+        yseq,
+        cstate,
+        factors,
+        bias,
+        w,
+        p,
+        seed,
+        x_gates=None,
+        active=None,
+        stacked=None,
     ) -> None:
         """x_gates: None, or the first layer's x W_ih^T [T*B, 4H] (permuted columns) from one
         GEMM before the waves; then x is not read and w[0] is W_hh alone [4H, H]. active: None,
         or a one-element int32 tensor n: steps t >= n are padding (h and yseq zero there, their
-        factors not written, cstate c(n - 1)). factors: None when no backward follows."""
+        factors not written, cstate c(n - 1)). factors: None when no backward follows.
+        stacked: None, or (B,) int32 lengths: the last layer's yseq is [ceil(T / 2) B, 2H],
+        steps 2u and 2u + 1 of row b side by side in row u B + b (`_out_step`), and zero at
+        t >= stacked[b]."""
         hidden = hseq[0].shape[1]
         batch = cstate[0].shape[0]
-        steps = yseq[0].shape[0] // batch
+        steps = hseq[0].shape[0] // batch - 1
         n_active = self._active(active, steps)
+        last = len(w) - 1
         acc = self._acc(w[0].dtype)
         perm = gate_permutation(hidden, w[0].device)
         scale = _dropout_scale(p)
@@ -197,10 +226,11 @@ class TorchKernels:
             weight = w[layer].to(acc)
             keep = keep_mask(seed, layer, steps, batch, hidden, p) if p > 0 else None
             c = cstate[layer].to(acc)
+            out_pairs = stacked is not None and layer == last
             for t in range(steps):
                 if t >= n_active:
                     hs[t + 1] = 0
-                    yseq[layer].view(steps, batch, hidden)[t] = 0
+                    _out_step(yseq[layer], t, steps, batch, out_pairs).zero_()
                     continue
                 if hoisted:
                     z_perm = hs[t].to(acc) @ weight.T + bias[layer].to(acc) + inp[t].to(acc)
@@ -216,7 +246,9 @@ class TorchKernels:
                 hs[t + 1] = o * tc
                 h = hs[t + 1].to(acc)  # the kernels drop out the rounded h
                 y = h if keep is None else torch.where(keep[t], h * scale, 0.0)
-                yseq[layer].view(steps, batch, hidden)[t] = y
+                if out_pairs:
+                    y = torch.where((t < stacked)[:, None], y, 0.0)
+                _out_step(yseq[layer], t, steps, batch, out_pairs).copy_(y)
                 if factors is None:
                     continue
                 plane = factors[layer].view(N_FACTORS, steps, batch, hidden)[:, t]
@@ -228,12 +260,15 @@ class TorchKernels:
                 plane[5] = f
             cstate[layer].copy_(c)
 
-    def backward(self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed, active=None) -> None:
+    def backward(
+        self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed, active=None, stacked=None
+    ) -> None:
         """active: the forward's; dz and the partial sums are zero at the padding steps, and
-        dy_top is not read there."""
+        dy_top is not read there. stacked: the forward's (dy_top then in that yseq's layout,
+        taken as zero where that yseq is)."""
         layers = len(wt)
         batch, hidden = dc[0].shape
-        steps = dy_top.shape[0] // batch
+        steps = fac[0].shape[1] // batch
         n_active = self._active(active, steps)
         acc = self._acc(wt[0].dtype)
         perm = gate_permutation(hidden, wt[0].device)
@@ -250,7 +285,9 @@ class TorchKernels:
             dc_next = None
             for t in reversed(range(n_active)):
                 if above is None:
-                    dy = dy_top.view(steps, batch, hidden)[t].to(acc)
+                    dy = _out_step(dy_top, t, steps, batch, stacked is not None).to(acc)
+                    if stacked is not None:
+                        dy = torch.where((t < stacked)[:, None], dy, 0.0)
                 else:
                     dy = dz[layer + 1].view(steps, batch, 4 * hidden)[t].to(acc) @ above.T
                 if keep is not None:
@@ -293,11 +330,23 @@ class CudaKernels:
         return ctypes.c_void_p(None if tensor is None else tensor.data_ptr())
 
     def forward(
-        self, x, hseq, yseq, cstate, factors, bias, w, p, seed, x_gates=None, active=None
+        self,
+        x,
+        hseq,
+        yseq,
+        cstate,
+        factors,
+        bias,
+        w,
+        p,
+        seed,
+        x_gates=None,
+        active=None,
+        stacked=None,
     ) -> None:
         layers = len(w)
         batch = cstate[0].shape[0]
-        steps = yseq[0].shape[0] // batch
+        steps = hseq[0].shape[0] // batch - 1
         device = w[0].device
         kin = [0 if x_gates is not None else x.shape[1]] + [HIDDEN] * (layers - 1)
         inputs = [x, *yseq[:-1]]  # x is not read where x_gates stands in for it
@@ -319,15 +368,19 @@ class CudaKernels:
             ctypes.c_float(p),
             self._ptr(seed),
             self._ptr(active),
+            self._ptr(stacked),
+            int(stacked is not None),
             self.forward_variant,
             ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
         )
         self._check(rc, "forward")
 
-    def backward(self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed, active=None) -> None:
+    def backward(
+        self, kin, wt, dz, fac, dc, dbias, dy_top, p, seed, active=None, stacked=None
+    ) -> None:
         layers = len(wt)
         batch = dc[0].shape[0]
-        steps = dy_top.shape[0] // batch
+        steps = fac[0].shape[1] // batch
         device = wt[0].device
         rc = self.lib.wave_lstm_backward(
             device.index,
@@ -344,6 +397,8 @@ class CudaKernels:
             ctypes.c_float(p),
             self._ptr(seed),
             self._ptr(active),
+            self._ptr(stacked),
+            int(stacked is not None),
             self.backward_variant,
             ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
         )
@@ -359,7 +414,9 @@ def library() -> ctypes.CDLL:
             [ctypes.c_int] * 4
             + [ctypes.POINTER(ctypes.c_int)]
             + [ptrs] * 8
-            + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            + [ctypes.c_float]
+            + [ctypes.c_void_p] * 3
+            + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         )
         lib.wave_lstm_forward.restype = ctypes.c_int
         lib.wave_lstm_backward.argtypes = (
@@ -371,6 +428,8 @@ def library() -> ctypes.CDLL:
                 ctypes.c_float,
                 ctypes.c_void_p,
                 ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_int,
                 ctypes.c_int,
                 ctypes.c_void_p,
             ]
@@ -455,7 +514,9 @@ class _WaveStack(torch.autograd.Function):
     multiple of BATCH_MULTIPLE and K of INPUT_MULTIPLE; weights in x's dtype; `active` None or
     the steps before the padding (a one-element int32 tensor on x's device). Without
     `keep_factors` (scoring: no backward follows) the forward writes no factor planes, six
-    values a cell only the backward reads."""
+    values a cell only the backward reads. `stacked` (None or (B,) int32 lengths on x's device):
+    y comes as (ceil(T / 2), B, 2H), steps 2u and 2u + 1 side by side, zero at each row's steps
+    t >= stacked[b] and for the missing step of an odd T."""
 
     @staticmethod
     def forward(
@@ -465,6 +526,7 @@ class _WaveStack(torch.autograd.Function):
         keep_factors: bool,
         seed: torch.Tensor,
         active: torch.Tensor | None,
+        stacked: torch.Tensor | None,
         x: torch.Tensor,
         *flat: torch.Tensor,
     ):
@@ -485,6 +547,11 @@ class _WaveStack(torch.autograd.Function):
         for h in hseq:
             h[:batch].zero_()
         yseq = [x.new_empty(rows, hidden) for _ in range(n_layers)]
+        pair_steps = -(-steps // 2)
+        if stacked is not None:
+            yseq[-1] = x.new_empty(pair_steps * batch * 2, hidden)
+            if steps % 2:  # no step writes the odd half of the last pair
+                yseq[-1].view(pair_steps, batch, 2, hidden)[-1, :, 1].zero_()
         cstate = [x.new_zeros(batch, hidden, dtype=acc) for _ in range(n_layers)]
         factors = (
             [x.new_empty(N_FACTORS, rows, hidden) for _ in range(n_layers)]
@@ -498,10 +565,25 @@ class _WaveStack(torch.autograd.Function):
             # cuDNN does it), and its cells run W_hh alone.
             x_gates = x_rows @ w[0][:, :k_in].T
             w_run = [w[0][:, k_in:].contiguous(), *w[1:]]
-        kernels.forward(x_rows, hseq, yseq, cstate, factors, bias, w_run, p, seed, x_gates, active)
-        ctx.active = active  # not saved with the tensors: None is a valid value
+        kernels.forward(
+            x_rows,
+            hseq,
+            yseq,
+            cstate,
+            factors,
+            bias,
+            w_run,
+            p,
+            seed,
+            x_gates,
+            active,
+            stacked,
+        )
+        ctx.active, ctx.stacked = active, stacked  # not saved with the tensors: None is valid
         ctx.save_for_backward(seed, x_rows, *w, *hseq, *yseq[:-1], *(factors or []))
         ctx.meta = (kernels, p, steps, batch, k_in, n_layers, hidden)
+        if stacked is not None:
+            return yseq[-1].view(pair_steps, batch, 2 * hidden)
         return yseq[-1].view(steps, batch, hidden)
 
     @staticmethod
@@ -522,8 +604,8 @@ class _WaveStack(torch.autograd.Function):
         # the bias gradient in partial sums per (step, batch tile), from the kernels' epilogue: a
         # separate reduction would read all of dz again
         dbias = [x_rows.new_empty(rows // BATCH_TILE, 4 * hidden, dtype=acc) for _ in w]
-        dy = grad_y.to(dtype).contiguous().view(rows, hidden)
-        kernels.backward(kin, wt, dz, factors, dc, dbias, dy, p, seed, ctx.active)
+        dy = grad_y.to(dtype).contiguous().view(-1, hidden)
+        kernels.backward(kin, wt, dz, factors, dc, dbias, dy, p, seed, ctx.active, ctx.stacked)
         # dz's columns are in the permuted gate order, so the weight gradients' rows are too
         inverse = torch.argsort(gate_permutation(hidden, x_rows.device))
         grads = []
@@ -538,9 +620,9 @@ class _WaveStack(torch.autograd.Function):
                 grad_bias,
             ]
         grad_x = None
-        if ctx.needs_input_grad[5]:
+        if ctx.needs_input_grad[6]:
             grad_x = (dz[0] @ w[0][:, :k_in]).view(steps, batch, k_in)
-        return (None, None, None, None, None, grad_x, *grads)
+        return (None,) * 6 + (grad_x, *grads)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -554,6 +636,7 @@ def lstm_stack(
     seed: torch.Tensor | None = None,
     kernels: CudaKernels | TorchKernels | None = None,
     lengths: torch.Tensor | None = None,
+    stack_pairs: bool = False,
 ) -> torch.Tensor:
     """An LSTM stack with dropout p after every layer, zero initial state: x (T, B, K) ->
     (T, B, H). By default the CUDA kernels on a GPU (fp16; an error says why where they cannot
@@ -563,7 +646,11 @@ def lstm_stack(
     training steps leaves training's random streams where they were. The batch is padded to a
     multiple of 192 and the first layer's input to a multiple of 64 features, invisibly to the
     caller. `lengths` (B,): where given, the steps at and past the longest are padding:
-    skipped, with zero outputs (no host sync: the count stays on the device)."""
+    skipped, with zero outputs (no host sync: the count stays on the device).
+
+    `stack_pairs` (needs `lengths`): the output as the encoder's stacking of two frames
+    (`model.StackTime(2)`) makes it, written so by the kernels: (ceil(T / 2), B, 2H), frames 2u
+    and 2u + 1 side by side, each row's frames at and past its length zero."""
     if seed is None and p > 0:
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=x.device)
     elif seed is None:
@@ -589,7 +676,9 @@ def lstm_stack(
         if index == 0 and pad_k:
             w_ih = F.pad(w_ih, (0, pad_k))
         flat += [w_ih, w_hh, b_ih, b_hh]
-    active = None
+    if stack_pairs and lengths is None:
+        raise ValueError("lstm_stack: stack_pairs zeroes each row's padding and needs lengths")
+    active = stacked = None
     if lengths is not None:
         if lengths.shape != (batch,):
             raise ValueError(
@@ -597,9 +686,11 @@ def lstm_stack(
                 f"{tuple(lengths.shape)}"
             )
         active = lengths.to(x.device).amax().clamp(0, steps).to(torch.int32).reshape(1)
+        if stack_pairs:
+            stacked = F.pad(lengths.to(x.device, torch.int32), (0, pad_b))
     # a graph that nothing will differentiate (scoring, no_grad) needs no factor planes
     keep_factors = torch.is_grad_enabled() and (
         x.requires_grad or any(t.requires_grad for t in flat)
     )
-    y = _WaveStack.apply(kernels, p, keep_factors, seed, active, x, *flat)
+    y = _WaveStack.apply(kernels, p, keep_factors, seed, active, stacked, x, *flat)
     return y[:, :batch] if pad_b else y

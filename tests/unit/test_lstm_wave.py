@@ -11,7 +11,7 @@ from torch import nn
 from rnnt.config import ConfigError
 from rnnt.kernels import cuda_build, lstm_wave
 from rnnt.kernels.lstm_wave import keep_mask, lstm_stack, stack_reference
-from rnnt.model import RNNT, resolve_eval_encoder_lstm
+from rnnt.model import RNNT, StackTime, resolve_eval_encoder_lstm
 from tests.helpers import tiny_cfg
 
 F64 = torch.float64
@@ -214,6 +214,40 @@ def test_steps_past_the_longest_length_are_skipped_with_zero_outputs(k_in, hidde
     # the full length is the stack without padding
     full = lstm_stack(x, layers, p, seed, lengths=torch.full((batch,), steps))
     assert torch.equal(full, lstm_stack(x, layers, p, seed))
+
+
+@pytest.mark.parametrize(
+    "steps,batch,k_in,n_layers,longest",
+    [(7, 5, 12, 2, 7), (6, 3, 128, 3, 6), (9, 4, 64, 1, 6), (4, 2, 12, 2, 0)],
+    ids=["odd", "even-hoisted", "padding-steps", "all-padding"],
+)
+def test_stack_pairs_are_stack_time_of_the_stack(steps, batch, k_in, n_layers, longest):
+    """The kernels' frame-pair output is StackTime(2) of the plain output, bit for bit, forward
+    and backward: each row's frames at and past its length zero (the gradient there unread),
+    an odd T's last pair completed with zeros; with bucket padding steps and a padded batch."""
+    hidden, p = 32, 0.2
+    layers = random_stack(k_in, hidden, n_layers)
+    x = torch.randn(steps, batch, k_in, dtype=F64, requires_grad=True)
+    lengths = torch.randint(0, longest + 1, (batch,))
+    lengths[0] = longest
+    seed = seed_tensor(21)
+    stacked = lstm_stack(x, layers, p, seed, lengths=lengths, stack_pairs=True)
+    want, want_lens = StackTime(2)(lstm_stack(x, layers, p, seed, lengths=lengths), lengths)
+    assert stacked.shape == want.shape == (-(-steps // 2), batch, 2 * hidden)
+    assert torch.equal(stacked, want)
+    dy = torch.randn(want.shape, dtype=F64)
+    params = [x, *flat(layers)]
+    got = torch.autograd.grad(stacked, params, dy)
+    for g, w in zip(got, torch.autograd.grad(want, params, dy)):
+        assert torch.equal(g, w)
+    if longest:
+        assert stacked.abs().sum() > 0 and got[0].abs().sum() > 0
+
+
+def test_stack_pairs_need_lengths():
+    layers = random_stack(12, 32, 1)
+    with pytest.raises(ValueError, match="stack_pairs zeroes each row's padding and needs"):
+        lstm_stack(torch.randn(3, 5, 12, dtype=F64), layers, 0.0, stack_pairs=True)
 
 
 class RecordedKernels(lstm_wave.TorchKernels):
@@ -500,13 +534,13 @@ def test_the_kernel_source_builds_and_rejects_shapes_it_cannot_tile(tmp_path, mo
         def forward(layers, steps, batch, kin, p=0.1, variant=0):
             kins = (ctypes.c_int * 3)(*kin)
             return lib.wave_lstm_forward(
-                0, layers, steps, batch, kins, *[null] * 8, p, None, None, variant, None
+                0, layers, steps, batch, kins, *[null] * 8, p, None, None, None, 0, variant, None
             )
 
         def backward(layers, steps, batch, kin, p=0.1):
             kins = (ctypes.c_int * 3)(*kin)
             return lib.wave_lstm_backward(
-                0, layers, steps, batch, kins, *[null] * 5, None, p, None, None, 0, None
+                0, layers, steps, batch, kins, *[null] * 5, None, p, None, None, None, 0, 0, None
             )
 
         # shapes it cannot tile are refused before anything touches a GPU
@@ -817,6 +851,34 @@ def test_gpu_overlapped_waves_give_the_bits_of_serialized_ones_on_long_ragged_st
     for _ in range(3):
         got = run(lstm_wave.CudaKernels())
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    "steps, k_in, n_layers, batch", [(37, 256, 2, 192), (36, 2048, 3, 384)], ids=["pre", "post"]
+)
+def test_gpu_stack_pairs_are_stack_time_of_the_stack_bit_for_bit(steps, k_in, n_layers, batch):
+    """The kernels' frame-pair output with each row's padding zeroed, against StackTime(2) of
+    their plain output: the same bits forward and backward, for odd and even T, ragged rows
+    (odd lengths leave half a pair), and bucket padding steps."""
+    p = 0.1
+    layers = random_stack(
+        k_in, lstm_wave.HIDDEN, n_layers, dtype=torch.float16, device="cuda", scale=0.03
+    )
+    x = torch.randn(steps, batch, k_in, device="cuda", dtype=torch.float16, requires_grad=True)
+    lengths = torch.randint(1, steps - 4, (batch,), device="cuda")
+    lengths[0] = steps - 5
+    seed = seed_tensor(17, "cuda")
+    params = [x, *flat(layers)]
+    stacked = lstm_stack(x, layers, p, seed, lengths=lengths, stack_pairs=True)
+    want, _ = StackTime(2)(lstm_stack(x, layers, p, seed, lengths=lengths), lengths)
+    assert stacked.shape == want.shape and torch.equal(stacked, want)
+    dy = torch.randn(want.shape, device="cuda", dtype=torch.float16)
+    got = torch.autograd.grad(stacked, params, dy)
+    expected = torch.autograd.grad(want, params, dy)
+    assert all(torch.equal(g, w) for g, w in zip(got, expected))
+    assert got[0].abs().sum() > 0
 
 
 @pytest.mark.gpu

@@ -135,3 +135,44 @@ def test_an_utterance_encodes_the_same_whatever_its_batch_pads():
     together, lens = encoder(batch, torch.tensor([7, 13]))
     assert alone_lens.tolist() == [4] and lens.tolist() == [4, 7]
     torch.testing.assert_close(together[0, :4], alone[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_wave_encoder_stacks_frames_in_its_kernels_as_stack_time_does(monkeypatch):
+    """With the wave kernels the pre-RNN stack writes StackTime's frames itself (no copies between
+    the stacks, in training and in scoring): the encoder computes what pre-RNN, StackTime(2),
+    post-RNN and the projection compute one after another, gradients included."""
+    from rnnt.kernels import lstm_wave
+
+    asked = []
+    real = lstm_wave.lstm_stack
+
+    def recorded(*args, stack_pairs=False, **kwargs):
+        asked.append(stack_pairs)
+        return real(*args, stack_pairs=stack_pairs, **kwargs)
+
+    monkeypatch.setattr(lstm_wave, "lstm_stack", recorded)
+    torch.manual_seed(0)
+    model = RNNT(tiny_cfg(encoder_lstm="wave", enc_n_hid=32), eval_encoder_lstm="wave").double()
+    enc = model.encoder
+    t, b = 9, 5
+    x = torch.randn(t, b, model.cfg.in_feats, dtype=torch.float64)
+    lens = torch.tensor([9, 4, 7, 1, 8])
+    for training in (True, False):
+        model.train(training)
+        torch.manual_seed(1)  # the same dropout seeds for both
+        f, f_lens = enc(x, lens)
+        weight = torch.randn(f.shape, dtype=torch.float64)
+        got = torch.autograd.grad((f * weight).sum(), list(enc.parameters()), allow_unused=True)
+        torch.manual_seed(1)
+        h, _ = enc.pre_rnn(x, lengths=lens)
+        h, want_lens = enc.stack_time(h, lens)
+        h, _ = enc.post_rnn(h, lengths=want_lens)
+        want = enc.joint_enc(h.transpose(0, 1))
+        expected = torch.autograd.grad(
+            (want * weight).sum(), list(enc.parameters()), allow_unused=True
+        )
+        assert torch.equal(f_lens, want_lens)
+        assert (f - want).abs().max() < 1e-12
+        for g, w in zip(got, expected):
+            assert (g - w).abs().max() < 1e-12
+    assert asked == [True, False, False, False] * 2

@@ -14,6 +14,10 @@
 // starts its recursion at n - 1: what a stack of n steps computes, at the cost of an empty launch
 // per padded step instead of a full one.
 //
+// Frame pairs: the last layer may store its output as the encoder's stacking of two frames reads
+// it (steps 2u and 2u + 1 side by side, zero past each row's length), and the backward then reads
+// its gradient in that layout: no copies between the encoder's stacks (wave_lstm_forward).
+//
 // Forward GEMM, per wave and layer: gates^T = W x [in(t), h(t - 1)]^T, tiled as cuBLAS tiles it
 // (128 W rows x 96 batch rows, K slices of 64); the cell runs in the epilogue, which writes h,
 // dropout(h) and six factor planes, so the backward needs neither the gates nor a c sequence:
@@ -227,13 +231,16 @@ struct Params {  // 64-byte aligned through CUtensorMap
   CUtensorMap ys[MAX_LAYERS];  // [T*B, H] fp16 dropout(h), box 32 x 96 (store)
   CUtensorMap fac[MAX_LAYERS]; // [6, T*B, H] fp16 factors for the backward, box 32 x 96 (store)
   CUtensorMap xw[MAX_LAYERS];  // [T*B, 4H] fp16 x W_ih^T (permuted), box 64 x 96, if has_xw
+  CUtensorMap ys_odd;          // pairs: the last layer's odd steps (its ys map: the even ones)
   const float* bias[MAX_LAYERS];  // [4H] permuted
   __half* h_out[MAX_LAYERS];      // hseq and yseq again, for a padded cell's zeros
   __half* y_out[MAX_LAYERS];
   int kin_blocks[MAX_LAYERS];     // 0 where has_xw: the K loop runs over h alone
   int has_xw[MAX_LAYERS];
   int write_factors;              // 0 when no backward follows (scoring): fac is not encoded
-  int T, B;
+  int T, B, L;
+  int pairs;                // the last layer's yseq in frame pairs (wave_lstm_forward)
+  const int* out_lengths;   // null, or [B]: the last layer's yseq is zero at t >= out_lengths[b]
   Jobs jobs;
   float keep_scale;
   uint32_t drop_threshold;  // 16-bit: drop when a key's half is below it
@@ -272,8 +279,13 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
     const long pitch = HID * 2, col = tile * 32 * 2;
     zero_rows(reinterpret_cast<uint8_t*>(p.h_out[l]) + ((t + 1L) * p.B + row0) * pitch + col,
               pitch, BN, 64);
-    zero_rows(reinterpret_cast<uint8_t*>(p.y_out[l]) + (static_cast<long>(t) * p.B + row0) * pitch +
-                  col, pitch, BN, 64);
+    if (p.pairs && l == p.L - 1)
+      zero_rows(reinterpret_cast<uint8_t*>(p.y_out[l]) +
+                    (static_cast<long>(t >> 1) * p.B + row0) * 2 * pitch + (t & 1) * pitch + col,
+                2 * pitch, BN, 64);
+    else
+      zero_rows(reinterpret_cast<uint8_t*>(p.y_out[l]) +
+                    (static_cast<long>(t) * p.B + row0) * pitch + col, pitch, BN, 64);
     wait_previous_wave();  // a wave ends after its predecessor: later waves rely on that order
     return;
   }
@@ -377,6 +389,17 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
       const uint32_t step = step_seed(*p.seed, l, t);
       const int mi = lane >> 3, c8 = lane & 7;  // the matrix and the smem row this lane addresses
       const bool has_xw = p.has_xw[l];
+      // bit 2 jj + i: batch row 8 jj + 2 q + i of the tile is inside its sequence at step t
+      uint32_t live = ~0u;
+      if (p.out_lengths != nullptr && l == p.L - 1) {
+        live = 0;
+#pragma unroll
+        for (int jj = 0; jj < 12; ++jj)
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+            live |= static_cast<uint32_t>(t < p.out_lengths[row0 + 8 * jj + 2 * q + i])
+                    << (2 * jj + i);
+      }
       if (has_xw) mbar_wait(xbar, 0);
 #pragma unroll
       for (int pj = 0; pj < 3; ++pj) {
@@ -424,7 +447,9 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
             const float tc = tanh_fast(c);
             const float h = __half2float(__float2half_rn(go * tc));
             v[0][bit] = h;
-            v[1][bit] = dropped(key, bit, p.drop_threshold) ? 0.f : h * p.keep_scale;
+            v[1][bit] = dropped(key, bit, p.drop_threshold) || !((live >> (2 * jj + bit)) & 1)
+                            ? 0.f
+                            : h * p.keep_scale;
             // the backward's factors (see wave_ref.py)
             v[2][bit] = go * (1.f - tc * tc);
             v[3][bit] = gg * gi * (1.f - gi);
@@ -448,7 +473,11 @@ __global__ void __launch_bounds__(THREADS, 1) wave_t(const __grid_constant__ Par
         const int rows = p.T * p.B;
         tma_store_2d(&p.c[l], ctile, tile * 32, row0);
         tma_store_2d(&p.hs[l], ring, tile * 32, (t + 1) * p.B + row0);
-        tma_store_2d(&p.ys[l], ring + H_TILE, tile * 32, t * p.B + row0);
+        if (p.pairs && l == p.L - 1)
+          tma_store_2d(t & 1 ? &p.ys_odd : &p.ys[l], ring + H_TILE, tile * 32,
+                       (t >> 1) * p.B + row0);
+        else
+          tma_store_2d(&p.ys[l], ring + H_TILE, tile * 32, t * p.B + row0);
         uint64_t once = 0;
         if constexpr (HINTS) once = l2_evict_first();
         if (p.write_factors) {
@@ -517,10 +546,13 @@ struct Params {  // 64-byte aligned through CUtensorMap
   CUtensorMap fac[MAX_LAYERS];  // [6, T*B, H] fp16, box 64 x 96
   CUtensorMap dc[MAX_LAYERS];   // [B, H] fp32 running dc, box 32 x 96
   CUtensorMap dy;               // [T*B, H] fp16: the top layer's output gradient, box 64 x 96
+  CUtensorMap dy_odd;           // pairs: its odd steps (dy: the even ones)
   float* dbias[MAX_LAYERS];     // [T * B / 96, 4H]: dz summed over each 96-row batch tile
   __half* dz_out[MAX_LAYERS];   // dz again, for a padded cell's zeros
   int kin[MAX_LAYERS];
   int T, B, L;
+  int pairs;                // dy in frame pairs, as the forward's yseq
+  const int* dy_lengths;    // null, or [B]: dy is taken as zero at t >= dy_lengths[b]
   Jobs jobs;
   float keep_scale;
   uint32_t drop_threshold;  // 16-bit, as the forward's
@@ -543,6 +575,16 @@ __device__ __forceinline__ void cells(const Params& p, const float (&d)[48], int
   const int c8 = lane & 7;
   const int ul = 16 * warp + 8 * I + r;  // this thread's unit inside the tile
   float dbias[4] = {};  // [gate]: this thread's rows of dz (as stored, fp16) summed
+  // bit 2 j + i: batch row 8 j + 2 q + i of the tile is inside its sequence at step t
+  uint32_t live = ~0u;
+  if (top && p.dy_lengths != nullptr) {
+    live = 0;
+#pragma unroll
+    for (int j = 0; j < 12; ++j)
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        live |= static_cast<uint32_t>(t < p.dy_lengths[row0 + 8 * j + 2 * q + i]) << (2 * j + i);
+  }
 #pragma unroll
   for (int pj = 0; pj < 6; ++pj) {
     // ldmatrix / stmatrix: lanes 0-15 address matrix mj = lane / 8 % 2, batch block 2 pj + mj
@@ -567,7 +609,7 @@ __device__ __forceinline__ void cells(const Params& p, const float (&d)[48], int
         float dy;
         if (top) {
           const float2 v = unpack_half2(fv[6][mj]);
-          dy = bit ? v.y : v.x;
+          dy = (live >> (2 * j + bit)) & 1 ? (bit ? v.y : v.x) : 0.f;
         } else {
           if (bit == 0) pv = ld_shared_v4(part + ((k >> 2) * 128 + tid) * 16);
           const float* pf = &pv.x;
@@ -746,7 +788,8 @@ __global__ void __launch_bounds__(THREADS, 1) wave_bwd(const __grid_constant__ P
             tma_load<HINTS>(dst, &p.fac[l], ebar, ut * BM, 5 * rows + (t + 1) * p.B + row0,
                             once);
           else if (tile == 6 && top)
-            tma_load<HINTS>(dst, &p.dy, ebar, ut * BM, t * p.B + row0, once);
+            tma_load<HINTS>(dst, p.pairs && (t & 1) ? &p.dy_odd : &p.dy, ebar, ut * BM,
+                            (p.pairs ? t >> 1 : t) * p.B + row0, once);
           else if (tile >= 7)
             tma_load_2d(dst, &p.dc[l], ebar, ut * BM + 32 * (tile - 7), row0);
         }
@@ -879,9 +922,9 @@ constexpr int kFwdCount = sizeof(kFwdVariants) / sizeof(kFwdVariants[0]);
 constexpr int kBwdCount = sizeof(kBwdVariants) / sizeof(kBwdVariants[0]);
 
 int encode_checked(CUtensorMap* map, const void* ptr, long rows, long cols, bool fp32,
-                   int box_cols, int box_rows, CUtensorMapSwizzle swizzle) {
+                   int box_cols, int box_rows, CUtensorMapSwizzle swizzle, long pitch = 0) {
   if (!encoder()) return kNoEncoder;
-  const CUresult r = encode_2d(map, ptr, rows, cols, fp32, box_cols, box_rows, swizzle);
+  const CUresult r = encode_2d(map, ptr, rows, cols, fp32, box_cols, box_rows, swizzle, pitch);
   return r == CUDA_SUCCESS ? 0 : kEncodeFailed + static_cast<int>(r);
 }
 
@@ -1001,11 +1044,16 @@ extern "C" {
 //             (rnnt/kernels/lstm_wave.py: gate_permutation)
 // seed: one uint32 on the device. active: null, or one int32 on the device, n: the steps t >= n
 // are padding (their h and yseq rows come out zero; cstate ends at c(n - 1); their factors are not
-// written). Returns 0 or a code that wave_lstm_error describes.
+// written). out_lengths: null, or int32 [B] on the device: the last layer's yseq is zero at
+// t >= out_lengths[b] (each row's padding). pairs: yseq[L - 1] is [ceil(T / 2) * B, 2H] instead,
+// steps 2u and 2u + 1 of row b side by side in row u B + b (the encoder's stacking of two frames;
+// for odd T the caller zeroes the last row block's odd half, which no step writes). Returns 0 or
+// a code that wave_lstm_error describes.
 int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void* const* x_in,
                       void* const* xw, void* const* hseq, void* const* yseq, void* const* cstate,
                       void* const* factors, void* const* bias, void* const* w, float p_drop,
-                      const void* seed, const void* active, int variant, void* stream) {
+                      const void* seed, const void* active, const void* out_lengths, int pairs,
+                      int variant, void* stream) {
   if (variant < 0 || variant >= kFwdCount) return kBadVariant;
   const FwdVariant& v = kFwdVariants[variant];
   if (layers < 1 || layers > fwd::MAX_LAYERS || T < 1 || B < fwd::BN || B % fwd::BN ||
@@ -1020,6 +1068,7 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
   fwd::Params p = {};
   const auto SW128 = CU_TENSOR_MAP_SWIZZLE_128B, SW64 = CU_TENSOR_MAP_SWIZZLE_64B;
   const long rows = static_cast<long>(T) * B, rows1 = rows + B;
+  const long pair_rows = static_cast<long>((T + 1) / 2) * B;
   for (int l = 0; l < layers; ++l) {
     int r = xw[l] ? encode_checked(&p.xw[l], xw[l], rows, 4 * HID, false, 64, fwd::BN, SW128)
                   : encode_checked(&p.in[l], x_in[l], rows, kin[l], false, fwd::BK, fwd::BN, SW128);
@@ -1029,7 +1078,13 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
                          fwd::BM, SW128);
     if (!r) r = encode_checked(&p.c[l], cstate[l], B, HID, true, 32, fwd::BN, SW128);
     if (!r) r = encode_checked(&p.hs[l], hseq[l], rows1, HID, false, 32, fwd::BN, SW64);
-    if (!r) r = encode_checked(&p.ys[l], yseq[l], rows, HID, false, 32, fwd::BN, SW64);
+    const bool paired = pairs && l == layers - 1;
+    if (!r)
+      r = encode_checked(&p.ys[l], yseq[l], paired ? pair_rows : rows, HID, false, 32, fwd::BN,
+                         SW64, paired ? 2 * HID : 0);
+    if (!r && paired)
+      r = encode_checked(&p.ys_odd, static_cast<__half*>(yseq[l]) + HID, pair_rows, HID, false,
+                         32, fwd::BN, SW64, 2 * HID);
     if (!r && factors)
       r = encode_checked(&p.fac[l], factors[l], fwd::N_FACTORS * rows, HID, false, 32, fwd::BN,
                          SW64);
@@ -1043,6 +1098,9 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
   p.write_factors = factors != nullptr;
   p.T = T;
   p.B = B;
+  p.L = layers;
+  p.pairs = pairs != 0;
+  p.out_lengths = static_cast<const int*>(out_lengths);
   p.keep_scale = 1.f / (1.f - p_drop);
   p.drop_threshold = drop_threshold(p_drop);
   p.seed = static_cast<const uint32_t*>(seed);
@@ -1074,13 +1132,14 @@ int wave_lstm_forward(int device, int layers, int T, int B, const int* kin, void
 //   dbias[l] [T * B / 96, 4H] fp32 (written): dz[l] summed over each 96-row batch tile, in dz's
 //             columns; the bias gradient is its column sum
 // dy_top [T*B, H] fp16: the gradient of the last layer's yseq; rows at t >= *active are not read
-// (active: the forward's) and dz's rows and the partial sums there come out zero. The weight
-// gradients, the bias gradients and the input's gradient are GEMMs over dz afterwards
-// (lstm_wave.py).
+// (active: the forward's) and dz's rows and the partial sums there come out zero. dy_lengths and
+// pairs: the forward's out_lengths and pairs (dy_top then in the layout of that yseq, and taken as
+// zero where it is zero). The weight gradients, the bias gradients and the input's gradient are
+// GEMMs over dz afterwards (lstm_wave.py).
 int wave_lstm_backward(int device, int layers, int T, int B, const int* kin, void* const* wt,
                        void* const* dz, void* const* fac, void* const* dc, void* const* dbias,
                        void* dy_top, float p_drop, const void* seed, const void* active,
-                       int variant, void* stream) {
+                       const void* dy_lengths, int pairs, int variant, void* stream) {
   if (variant < 0 || variant >= kBwdCount) return kBadVariant;
   const BwdVariant& v = kBwdVariants[variant];
   if (layers < 1 || layers > bwd::MAX_LAYERS || T < 1 || B < 2 * bwd::BN || B % (2 * bwd::BN) ||
@@ -1104,11 +1163,18 @@ int wave_lstm_backward(int device, int layers, int T, int B, const int* kin, voi
     p.dbias[l] = static_cast<float*>(dbias[l]);
     p.dz_out[l] = static_cast<__half*>(dz[l]);
   }
-  int r = encode_checked(&p.dy, dy_top, rows, HID, false, 64, bwd::BN, SW128);
+  const long pair_rows = static_cast<long>((T + 1) / 2) * B;
+  int r = pairs ? encode_checked(&p.dy, dy_top, pair_rows, HID, false, 64, bwd::BN, SW128, 2 * HID)
+                : encode_checked(&p.dy, dy_top, rows, HID, false, 64, bwd::BN, SW128);
+  if (!r && pairs)
+    r = encode_checked(&p.dy_odd, static_cast<__half*>(dy_top) + HID, pair_rows, HID, false, 64,
+                       bwd::BN, SW128, 2 * HID);
   if (r) return r;
   p.T = T;
   p.B = B;
   p.L = layers;
+  p.pairs = pairs != 0;
+  p.dy_lengths = static_cast<const int*>(dy_lengths);
   p.keep_scale = 1.f / (1.f - p_drop);
   p.drop_threshold = drop_threshold(p_drop);
   p.seed = static_cast<const uint32_t*>(seed);

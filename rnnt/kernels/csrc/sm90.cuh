@@ -158,10 +158,11 @@ inline EncodeTiled encoder() {
 
 // A row-major rows x cols matrix of fp16 (or fp32) in boxes of box_rows x box_cols; rows out of
 // range load as zeros and are not stored. Needs encoder() != nullptr; returns the CUresult.
+// pitch: elements from one row's start to the next's (0: cols, rows packed)
 inline CUresult encode_2d(CUtensorMap* map, const void* ptr, long rows, long cols, bool fp32,
-                          int box_cols, int box_rows, CUtensorMapSwizzle swizzle) {
+                          int box_cols, int box_rows, CUtensorMapSwizzle swizzle, long pitch = 0) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * (fp32 ? 4 : 2)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(pitch ? pitch : cols) * (fp32 ? 4 : 2)};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
   return encoder()(map, fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
