@@ -395,8 +395,14 @@ class ApexLoss(LossBackend):
             pack_output=True, relu=True, dropout=p > 0, dropout_prob=p, opt=1
         )
         apex_joint.train(joint.training)
+        # apex refuses strided inputs, and the encoder's f is a batch-major view of time-major rows
         h = apex_joint(
-            f, g, f_lens, g_lens, batch_offset=batch_offset, packed_batch=packed_rows
+            f.contiguous(),
+            g.contiguous(),
+            f_lens,
+            g_lens,
+            batch_offset=batch_offset,
+            packed_batch=packed_rows,
         )  # (sum_b T_b (U_b+1), H)
         logits = torch.nn.functional.linear(h, weight, bias)
         nll = self._loss(

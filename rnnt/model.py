@@ -258,7 +258,9 @@ class Encoder(nn.Module):
             x, _ = self.pre_rnn(x, lengths=lens)
             x, lens = self.stack_time(x, lens)
         x, _ = self.post_rnn(x, lengths=lens)
-        return self.joint_enc(x.transpose(0, 1)), lens
+        # projected time-major, then viewed batch-major: the copy a transposed input would need
+        # is of the narrower output
+        return self.joint_enc(x).transpose(0, 1), lens
 
 
 class Prediction(nn.Module):
