@@ -20,7 +20,9 @@ step up, or filled a gap that the step's stream left anyway: a kernel that fills
 the next kernel of another stream of the same priority waiting until its last block starts, so
 where the step's kernels follow each other, the side stream's large kernels run between them
 (the real-audio step's feature stage: docs/PERFORMANCE.md). Also printed: the time in the
-window in which no stream ran anything (the GPU idle).
+window in which no stream ran anything (the GPU idle), and the device time by kind of kernel
+(`KINDS`, from the kernels' names), each instant shared evenly among the kinds running then, so
+that the kinds and the idle time add up to the window.
 
     python bench/trace_streams.py RUN_DIR/profile/rank0_steps60-64.json [--gap-ms 2] [--json F]
 """
@@ -33,6 +35,21 @@ import json
 from pathlib import Path
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+# a training step's device work by kind, from the kernels' names: the first kind with a name part
+# in the kernel's name; what none names is "other"
+KINDS = (
+    ("wave LSTM backward", ("wave_bwd",)),
+    ("wave LSTM forward", ("wave_t<",)),
+    (
+        "fused loss",
+        ("logits_lse", "dlogits", "grad_fg", "hidden_kernel", "walk_kernel", "stats_from"),
+    ),
+    ("cuDNN RNN", ("RNN", "LSTM", "cudnn", "GENERIC_elementWise")),
+    ("GEMM", ("nvjet", "gemm", "Gemm")),
+    ("optimizer (multi-tensor)", ("_lamb_", "multi_tensor_apply")),
+    ("copies and fills", ("direct_copy", "masked_fill", "memcpy", "Memcpy", "Memset")),
+)
 
 Interval = tuple[float, float]  # (start, end) in microseconds
 
@@ -95,6 +112,33 @@ def bursts(intervals: list[Interval], gap_us: float) -> list[list[Interval]]:
     return groups
 
 
+def kind_of(name: str) -> str:
+    return next((kind for kind, parts in KINDS if any(p in name for p in parts)), "other")
+
+
+def time_by_kind(trace: dict) -> dict[str, float]:
+    """Device time in milliseconds per kind of kernel (KINDS), each instant shared evenly among
+    the kinds running then; "idle": no device work. Sums to the window."""
+    edges = []
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") != "X" or event.get("cat") not in DEVICE_CATEGORIES:
+            continue
+        start = float(event["ts"])
+        kind = kind_of(str(event.get("name", "")))
+        edges += [(start, 1, kind), (start + float(event.get("dur", 0.0)), -1, kind)]
+    edges.sort()
+    running: dict[str, int] = {}
+    shares: dict[str, float] = {"idle": 0.0}
+    last = edges[0][0] if edges else 0.0
+    for at, change, kind in edges:
+        live = [k for k, n in running.items() if n > 0]
+        for k in live or ["idle"]:
+            shares[k] = shares.get(k, 0.0) + (at - last) / max(1, len(live)) / 1e3
+        running[kind] = running.get(kind, 0) + change
+        last = at
+    return shares
+
+
 def summarize(trace: dict, gap_ms: float = 2.0) -> dict:
     """Per stream and per side-stream burst, in milliseconds (see the module)."""
     streams = device_events(trace)
@@ -110,6 +154,7 @@ def summarize(trace: dict, gap_ms: float = 2.0) -> dict:
         "window_ms": (window[1] - window[0]) / 1e3,
         "gpu_idle_ms": (window[1] - window[0] - gpu_busy) / 1e3,
         "step_stream": step_stream,
+        "kinds_ms": time_by_kind(trace),
         "streams": [],
     }
     for stream in sorted(streams, key=lambda s: -busy[s]):
@@ -195,6 +240,9 @@ def main() -> None:
                 f"{b['step_busy_ms']:6.2f} ms of it, without it {b['alone_ms']:5.2f} ms, alone "
                 f"on the GPU {b['alone_on_gpu_ms']:5.2f} ms"
             )
+    print("device time by kind (shared where kinds overlap):")
+    for kind, ms in sorted(result["kinds_ms"].items(), key=lambda item: -item[1]):
+        print(f"  {kind:26s} {ms:9.2f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 

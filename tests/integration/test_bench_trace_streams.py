@@ -9,14 +9,16 @@ import sys
 
 import pytest
 
-from bench.trace_streams import overlap, summarize
+from bench.trace_streams import overlap, summarize, time_by_kind
 
 
-def _kernel(stream: int, start_us: float, end_us: float, cat: str = "kernel") -> dict:
+def _kernel(
+    stream: int, start_us: float, end_us: float, cat: str = "kernel", name: str = "k"
+) -> dict:
     return {
         "ph": "X",
         "cat": cat,
-        "name": "k",
+        "name": name,
         "ts": start_us,
         "dur": end_us - start_us,
         "args": {"stream": stream, "device": 0},
@@ -88,6 +90,32 @@ def test_streams_bursts_and_idle_time_of_a_known_trace():
     # second (0.5 ms)
     spans = [b["span_ms"] for b in summarize(_trace(), gap_ms=0.75)["streams"][1]["bursts"]]
     assert spans == pytest.approx([1.0, 2.0, 2.0])
+
+
+def test_device_time_by_kind_shares_overlaps_and_adds_up_to_the_window():
+    trace = {
+        "traceEvents": [
+            _kernel(7, 0, 10_000, name="void bwd::wave_bwd<8, true>(bwd::Params)"),
+            _kernel(40, 5_000, 15_000, name="nvjet_sm90_hsh_128x256_64x4_2x1_v_bz_coopA_NTN"),
+            _kernel(7, 10_000, 12_000, name="elementwise_kernel<direct_copy_kernel_cuda>"),
+            _kernel(7, 20_000, 21_000, cat="gpu_memcpy", name="Memcpy DtoD (Device -> Device)"),
+            _kernel(7, 21_000, 22_000, name="softmax_warp_forward"),
+        ]
+    }
+    kinds = time_by_kind(trace)
+    # 0-5 ms the wave alone, 5-10 shared with the GEMM, 10-12 the GEMM beside the copy, 12-15
+    # the GEMM alone, 15-20 idle, then a copy and an unnamed kind
+    assert kinds == pytest.approx(
+        {
+            "wave LSTM backward": 7.5,
+            "GEMM": 6.5,
+            "copies and fills": 2.0,
+            "other": 1.0,
+            "idle": 5.0,
+        }
+    )
+    assert summarize(trace)["kinds_ms"] == kinds
+    assert sum(kinds.values()) == pytest.approx(summarize(trace)["window_ms"])
 
 
 def test_overlap_of_interleaved_intervals():
