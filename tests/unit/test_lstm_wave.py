@@ -232,7 +232,7 @@ def test_stack_pairs_are_stack_time_of_the_stack(steps, batch, k_in, n_layers, l
     lengths[0] = longest
     seed = seed_tensor(21)
     stacked = lstm_stack(x, layers, p, seed, lengths=lengths, stack_pairs=True)
-    want, want_lens = StackTime(2)(lstm_stack(x, layers, p, seed, lengths=lengths), lengths)
+    want, _ = StackTime(2)(lstm_stack(x, layers, p, seed, lengths=lengths), lengths)
     assert stacked.shape == want.shape == (-(-steps // 2), batch, 2 * hidden)
     assert torch.equal(stacked, want)
     dy = torch.randn(want.shape, dtype=F64)
