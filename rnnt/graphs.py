@@ -4,7 +4,8 @@ The encoder (+ joint_enc) and the prediction network (+ joint_pred) are each cap
 and backward with `torch.cuda.make_graphed_callables` at the training batch size and at N
 maximum lengths L, L - L//N, L - 2*(L//N), ... . A batch is padded up to the smallest bucket that
 holds it (an O(1) list lookup on the padded length, a host-side shape: no device read), the
-graph is replayed, and the outputs are sliced back to the batch's own lengths. The joint, the
+graph is replayed, and the outputs are sliced back to the batch's own lengths. The prediction
+graph replays on a side stream, so that its backward runs beside the encoder's. The joint, the
 loss, the scaler, the optimizer and the EMA stay eager.
 
 Why padding is exact: every RNN here is unidirectional, so frames appended at the end never
@@ -30,7 +31,9 @@ Decisions (documented contract):
 Speed: at batch 192 the time outside joint + loss is almost all the encoder's LSTMs (cuDNN's
 per-time-step kernels, or the wave kernels of `model.encoder_lstm: wave | auto`);
 docs/PERFORMANCE.md gives the breakdown and the alternatives measured and not kept
-(side-stream prediction graph, more buckets, stream-split batches, Triton and CUDA C++ LSTMs).
+(more buckets, stream-split batches, Triton and CUDA C++ LSTMs). The side stream of the
+prediction graph gained nothing beside cuDNN's encoder, which fills the GPU; beside the wave
+kernels, which leave SMs free, it hides the prediction network's backward.
 
 Memory: the encoder buckets share one graph memory pool and the prediction buckets another.
 Buckets of one network never run interleaved (one encoder bucket per step, forward then
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -192,13 +196,20 @@ class EncoderBucket:
 
     def __call__(self, x: torch.Tensor, x_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, B, F), x_lens (B,) -> f (B, ceil(T / stack), H), f_lens (B,)."""
+        self.load(x, x_lens)
+        return self.run(x.shape[0], x.shape[1])
+
+    def load(self, x: torch.Tensor, x_lens: torch.Tensor) -> None:
+        """Copy a batch into the static inputs, padded."""
         if x.shape[2] != self.static_x.shape[2]:
             raise ValueError(
                 f"{x.shape[2]} features per frame; the graphs take {self.static_x.shape[2]}"
             )
-        t, b = x.shape[0], x.shape[1]
         pad_into(self.static_x, x, 0)
         pad_into(self.static_lens, x_lens, 0)
+
+    def run(self, t: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graph on the loaded batch of `b` rows and `t` frames: f, f_lens cut to it."""
         f, f_lens = self.fn(*self.static_inputs)
         return f[:b, : -(-t // self.stack_factor)], f_lens[:b]
 
@@ -218,8 +229,14 @@ class PredictionBucket:
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         """y (B, U) -> g (B, U+1, H)."""
-        b, u = y.shape
+        self.load(y)
+        return self.run(*y.shape)
+
+    def load(self, y: torch.Tensor) -> None:
         pad_into(self.static_y, y, self.blank_idx)  # blank embeds to zeros
+
+    def run(self, b: int, u: int) -> torch.Tensor:
+        """The graph on the loaded labels of `b` rows and `u` tokens: g cut to them."""
         return self.fn(self.static_y)[:b, : u + 1]
 
 
@@ -256,6 +273,10 @@ class TrainingGraphs:
         stack_factor = model.encoder.stack_time.factor
         blank = model.blank_idx
 
+        # gradients reach accumulators made on another stream by design, in the captures'
+        # warm-ups and in every backward of the prediction graph (its side stream): autograd
+        # makes the accumulating stream wait for them, so autograd's warning would be noise
+        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
         enc_pool = torch.cuda.graph_pool_handle()
         pred_pool = torch.cuda.graph_pool_handle()
         self._enc: list[EncoderBucket] = []  # ascending, like the tables' lengths
@@ -267,12 +288,17 @@ class TrainingGraphs:
                 _EncodeSegment(model.encoder), enc.static_inputs, pool=enc_pool
             )
             self._enc.insert(0, enc)
-        for length in reversed(self.token_table.lengths):
-            pred = PredictionBucket(length, batch_size, blank, device)
-            pred.fn = torch.cuda.make_graphed_callables(
-                _PredictSegment(model.prediction), (pred.static_y,), pool=pred_pool
-            )
-            self._pred.insert(0, pred)
+        # captured on a stream of their own: cuBLAS's workspace is per stream, and a graph
+        # keeps the one it was captured with, so the two networks' backwards, which run at
+        # once, must not share one (split-K partial sums and stream-K flags live in it)
+        with _capture_stream(torch.cuda.Stream(device)):
+            for length in reversed(self.token_table.lengths):
+                pred = PredictionBucket(length, batch_size, blank, device)
+                pred.fn = torch.cuda.make_graphed_callables(
+                    _PredictSegment(model.prediction), (pred.static_y,), pool=pred_pool
+                )
+                self._pred.insert(0, pred)
+        self._side = torch.cuda.Stream(device)
         self._own_first_grads()
 
     @classmethod
@@ -311,6 +337,36 @@ class TrainingGraphs:
                 "graphs were captured for (training.batch_size)"
             )
 
+    def __call__(
+        self, x: torch.Tensor, x_lens: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`RNNT.forward`: f (B, T', H), f_lens (B,), g (B, U+1, H), with the two networks'
+        backwards side by side.
+
+        The prediction graph replays on a side stream, after the encoder's, and autograd runs
+        each graph's backward on the stream of its forward: the prediction network's backward
+        (cuDNN's small, latency-bound steps) runs beside the encoder's, on the SMs the wave
+        kernels leave free (the waves launch at the device's highest priority), instead of
+        adding its latency to the step. The forwards stay in series: every graph replay sets
+        the default generator's offset for the dropout inside it, in one device tensor that
+        all graphs read, so two forward graphs at once could read each other's offset.
+        """
+        if not self._graphs_apply():
+            return self.model(x, x_lens, y)
+        self._check_rows(x.shape[1])
+        self._check_rows(y.shape[0])
+        enc = self._enc[self.feat_table(x.shape[0])]
+        pred = self._pred[self.token_table(y.shape[1])]
+        enc.load(x, x_lens)
+        pred.load(y)  # on the current stream: the side stream touches static buffers only
+        f, f_lens = enc.run(x.shape[0], x.shape[1])
+        current = torch.cuda.current_stream()
+        self._side.wait_stream(current)
+        with torch.cuda.stream(self._side):
+            g = pred.run(*y.shape)
+        current.wait_stream(self._side)
+        return f, f_lens, g
+
     def encode(self, x: torch.Tensor, x_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, B, in_feats), x_lens (B,) -> f (B, T', H), f_lens (B,), T' = ceil(T / stack)."""
         if not self._graphs_apply():
@@ -338,6 +394,18 @@ class TrainingGraphs:
         graphed = list(self.model.encoder.parameters()) + list(self.model.prediction.parameters())
         for param in graphed:
             param.register_hook(_first_grad_owner(param))
+
+
+@contextmanager
+def _capture_stream(stream: torch.cuda.Stream):
+    """`torch.cuda.graph`'s default capture stream, which make_graphed_callables captures on,
+    set to `stream` inside the block."""
+    saved = torch.cuda.graph.default_capture_stream
+    torch.cuda.graph.default_capture_stream = stream
+    try:
+        yield
+    finally:
+        torch.cuda.graph.default_capture_stream = saved
 
 
 def _first_grad_owner(param: torch.Tensor):

@@ -408,8 +408,7 @@ class Trainer:
         parts = self.parts
         mb = self.train_transform(batch.to(self.ctx.device))
         if self.graphs is not None:
-            f, f_lens = self.graphs.encode(mb.feats, mb.feat_lens)
-            g = self.graphs.predict(mb.tokens)
+            f, f_lens, g = self.graphs(mb.feats, mb.feat_lens, mb.tokens)
         else:
             f, f_lens, g = self.model(mb.feats, mb.feat_lens, mb.tokens)
         host_lens = None

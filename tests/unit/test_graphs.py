@@ -305,3 +305,44 @@ def test_graphed_wave_encoder_matches_eager_and_draws_fresh_masks():
     f1 = graphs.encode(x, x_lens)[0].clone()
     f2 = graphs.encode(x, x_lens)[0].clone()
     assert not torch.equal(f1, f2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the wave LSTM kernels need a Hopper GPU (sm_90)",
+)
+def test_side_by_side_networks_give_the_bits_of_serial_ones():
+    # the prediction graph on its side stream, its backward beside the wave encoder's at the
+    # training batch: a missing wait would let the loss read g, or the optimizer a gradient,
+    # before it is written, and a shared cuBLAS workspace would mix the two backwards' split-K
+    # sums; two micro-batches accumulate as the trainer's do. The prediction network without
+    # dropout: cuDNN's dropout state advances in place, and no seed rewinds it for the rerun.
+    from rnnt.loss import TransducerLoss
+
+    model = _gpu_model(
+        enc_n_hid=1024, in_feats=256, encoder_lstm="wave", enc_dropout=0.1, pred_dropout=0.0
+    )
+    graphs = TrainingGraphs(model, 192, 96, 32, 2, torch.float16, "cuda")
+    loss_fn = TransducerLoss("reference", model.blank_idx)
+
+    def serial(x, x_lens, y):
+        return (*graphs.encode(x, x_lens), graphs.predict(y))
+
+    batches = [_batch(model, 192, 96, 32, seed=1), _batch(model, 192, 45, 13, seed=2)]
+    runs = []
+    for forward in (serial, graphs):
+        torch.manual_seed(7)  # the graphs' dropout draws from the default generator
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for x, x_lens, y, y_lens in batches:
+            f, f_lens, g = forward(x, x_lens, y)
+            loss = loss_fn(model.joint, f, g, f_lens, y, y_lens)
+            (loss * 64.0).backward()
+            losses.append(loss.detach().clone())
+        runs.append((losses, [p.grad.clone() for p in model.parameters()]))
+    (losses_s, grads_s), (losses_p, grads_p) = runs
+    assert all(torch.equal(a, b) for a, b in zip(losses_s, losses_p))
+    for (name, _), gs, gp in zip(model.named_parameters(), grads_s, grads_p):
+        assert torch.equal(gs, gp), name
+    assert any(g.abs().sum() > 0 for g in grads_p)
