@@ -939,25 +939,42 @@ int allow_smem(int device, Kernel kernel, int bytes, bool (&done)[kMaxDevices]) 
   return 0;
 }
 
+// The device's highest launch priority. A wave is a barrier for the whole recurrence: one CTA
+// that waits for an SM delays every later step. So when other work runs beside the waves on
+// another stream (the training graphs run the prediction network so), the CTA scheduler should
+// give each freed SM to the next wave first; the kernels beside them get what the waves leave.
+// The priority is a launch attribute, so CUDA graphs keep it in the kernel node.
+int highest_priority(int& priority) {
+  int least = 0, greatest = 0;
+  const cudaError_t err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  priority = greatest;
+  return static_cast<int>(err);
+}
+
 // `programmatic`: may start before the previous kernel on the stream ends (it waits for it
 // inside); only for a stack's later waves, whose previous kernel is a wave of the same call
 template <typename P>
 int launch(void (*kernel)(P), const P& p, int ctas, int cluster, int smem, bool programmatic,
            cudaStream_t stream) {
+  static int priority = 0;
+  static const int priority_err = highest_priority(priority);
+  if (priority_err) return priority_err;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(ctas);
   cfg.blockDim = dim3(256);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[3];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = cluster;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  attr[1].id = cudaLaunchAttributePriority;
+  attr[1].val.priority = priority;
+  attr[2].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[2].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = programmatic ? 2 : 1;
+  cfg.numAttrs = programmatic ? 3 : 2;
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
