@@ -400,6 +400,12 @@ class TrainingGraphs:
 def _capture_stream(stream: torch.cuda.Stream):
     """`torch.cuda.graph`'s default capture stream, which make_graphed_callables captures on,
     set to `stream` inside the block."""
+    if not hasattr(torch.cuda.graph, "default_capture_stream"):
+        # setting a new attribute would change nothing: both networks would share a workspace
+        raise RuntimeError(
+            f"torch {torch.__version__}: torch.cuda.graph has no default_capture_stream, so the "
+            "prediction graphs cannot get a capture stream of their own (run training.num_cg=0)"
+        )
     saved = torch.cuda.graph.default_capture_stream
     torch.cuda.graph.default_capture_stream = stream
     try:

@@ -183,6 +183,24 @@ def test_training_graphs_need_cuda():
         TrainingGraphs(model, 2, 10, 5, 2, torch.float32, "cpu")
 
 
+def test_the_capture_stream_is_set_inside_the_block_and_restored(monkeypatch):
+    from rnnt import graphs
+
+    sentinel, before = object(), torch.cuda.graph.default_capture_stream
+    with graphs._capture_stream(sentinel):
+        assert torch.cuda.graph.default_capture_stream is sentinel
+    assert torch.cuda.graph.default_capture_stream is before
+    with pytest.raises(KeyError), graphs._capture_stream(sentinel):
+        raise KeyError("a failed capture")
+    assert torch.cuda.graph.default_capture_stream is before
+    monkeypatch.delattr(torch.cuda.graph, "default_capture_stream")
+    with (
+        pytest.raises(RuntimeError, match="default_capture_stream"),
+        graphs._capture_stream(sentinel),
+    ):
+        pass
+
+
 # ------------------------------------------------------------------------------ GPU
 
 
