@@ -22,7 +22,10 @@ where the step's kernels follow each other, the side stream's large kernels run 
 (the real-audio step's feature stage: docs/PERFORMANCE.md). Also printed: the time in the
 window in which no stream ran anything (the GPU idle), and the device time by kind of kernel
 (`KINDS`, from the kernels' names), each instant shared evenly among the kinds running then, so
-that the kinds and the idle time add up to the window.
+that the kinds and the idle time add up to the window. Last, the step's phases: where each
+kind's work starts and ends inside a step, from the start of the step's first wave forward
+(`--step-kind`), medians over the steps in the window; two trees' traces of the same batches
+compare phase by phase.
 
     python bench/trace_streams.py RUN_DIR/profile/rank0_steps60-64.json [--gap-ms 2] [--json F]
 """
@@ -33,6 +36,7 @@ import argparse
 import gzip
 import json
 from pathlib import Path
+from statistics import median
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -139,6 +143,51 @@ def time_by_kind(trace: dict) -> dict[str, float]:
     return shares
 
 
+def step_phases(trace: dict, step_kind: str, step_gap_ms: float) -> dict | None:
+    """Where each kind's work sits inside the training step, in milliseconds.
+
+    A step starts at an event of `step_kind` that follows that kind's previous event by more
+    than `step_gap_ms` (the first one too); the last started step ends at the window's last
+    event. Per kind, and per step: from the step's start to the kind's first start and to its
+    last end. Returned: "periods" (the whole steps' lengths) and, per kind, the medians of
+    "first" and "last" over the steps that have the kind; None without `step_kind` work.
+    """
+    events = []
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") == "X" and event.get("cat") in DEVICE_CATEGORIES:
+            start = float(event["ts"])
+            events.append((start, start + float(event.get("dur", 0.0)), kind_of(event["name"])))
+    events.sort()
+    starts, previous_end = [], None
+    for start, end, kind in events:
+        if kind != step_kind:
+            continue
+        if previous_end is None or start - previous_end > step_gap_ms * 1e3:
+            starts.append(start)
+        previous_end = end if previous_end is None else max(previous_end, end)
+    if not starts:
+        return None
+    bounds = starts + [max(end for _, end, _ in events)]
+    per_kind: dict[str, tuple[list[float], list[float]]] = {}
+    for lo, hi in zip(bounds, bounds[1:]):
+        seen: dict[str, list[float]] = {}
+        for start, end, kind in events:
+            if lo <= start < hi:
+                span = seen.setdefault(kind, [start, end])
+                span[1] = max(span[1], end)
+        for kind, (first, last) in seen.items():
+            firsts, lasts = per_kind.setdefault(kind, ([], []))
+            firsts.append((first - lo) / 1e3)
+            lasts.append((last - lo) / 1e3)
+    return {
+        "periods_ms": [(b - a) / 1e3 for a, b in zip(starts, starts[1:])],
+        "kinds": {
+            kind: {"first_ms": median(firsts), "last_ms": median(lasts), "steps": len(firsts)}
+            for kind, (firsts, lasts) in per_kind.items()
+        },
+    }
+
+
 def summarize(trace: dict, gap_ms: float = 2.0) -> dict:
     """Per stream and per side-stream burst, in milliseconds (see the module)."""
     streams = device_events(trace)
@@ -211,9 +260,23 @@ def main() -> None:
     parser.add_argument("trace", type=Path)
     parser.add_argument("--gap-ms", type=float, default=2.0, help="a longer gap starts a burst")
     parser.add_argument("--json", default=None, help="write the summary here")
+    parser.add_argument(
+        "--step-kind",
+        default="wave LSTM forward",
+        choices=[kind for kind, _ in KINDS],
+        help="the kind of work that starts a training step (phases table)",
+    )
+    parser.add_argument(
+        "--step-gap-ms",
+        type=float,
+        default=20.0,
+        help="a pause in --step-kind's work longer than this starts a step",
+    )
     args = parser.parse_args()
     try:
-        result = summarize(load(args.trace), args.gap_ms)
+        trace = load(args.trace)
+        result = summarize(trace, args.gap_ms)
+        result["phases"] = step_phases(trace, args.step_kind, args.step_gap_ms)
     except ValueError as err:
         message = str(err)
         named = message if message.startswith(str(args.trace)) else f"{args.trace}: {message}"
@@ -245,6 +308,15 @@ def main() -> None:
         print(f"  {kind:26s} {ms:9.2f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    phases = result["phases"]
+    if phases is None:
+        print(f"no {args.step_kind!r} work to find the steps by: no phases")
+        return
+    periods = ", ".join(f"{p:.2f}" for p in phases["periods_ms"])
+    print(f"steps (from each {args.step_kind!r} start): periods {periods} ms")
+    print("  kind                       first start  last end   (medians over steps, ms)")
+    for kind, at in sorted(phases["kinds"].items(), key=lambda item: item[1]["first_ms"]):
+        print(f"  {kind:26s} {at['first_ms']:11.2f} {at['last_ms']:9.2f}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.trace_streams import overlap, summarize, time_by_kind
+from bench.trace_streams import overlap, step_phases, summarize, time_by_kind
 
 
 def _kernel(
@@ -118,6 +118,36 @@ def test_device_time_by_kind_shares_overlaps_and_adds_up_to_the_window():
     assert sum(kinds.values()) == pytest.approx(summarize(trace)["window_ms"])
 
 
+def test_step_phases_place_each_kind_inside_its_step():
+    wave_f, wave_b = "void fwd::wave_t<7, true>(fwd::Params)", "void bwd::wave_bwd<8, true>(p)"
+    events = []
+    # three steps of 100, 100 and 90 ms: the forward waves in two stacks 5 ms apart (a pause
+    # shorter than the step gap), the loss, the backward waves, and the prediction network's
+    # cuDNN work, in series in the first step and beside the backward waves after it
+    for t0, rnn in [(0, (32_000, 34_000)), (100_000, (55_000, 80_000))]:
+        events += [
+            _kernel(7, t0, t0 + 10_000, name=wave_f),
+            _kernel(7, t0 + 15_000, t0 + 25_000, name=wave_f),
+            _kernel(7, t0 + 26_000, t0 + 30_000, name="logits_lse_kernel"),
+            _kernel(7, t0 + 50_000, t0 + 90_000, name=wave_b),
+            _kernel(9, t0 + rnn[0], t0 + rnn[1], name="elemWiseRNNcell<__half>"),
+        ]
+    events += [_kernel(7, 200_000, 210_000, name=wave_f), _kernel(7, 280_000, 290_000, name=wave_b)]
+    phases = step_phases({"traceEvents": events[::-1]}, "wave LSTM forward", step_gap_ms=20.0)
+    assert phases["periods_ms"] == pytest.approx([100.0, 100.0])
+    kinds = phases["kinds"]
+    assert kinds["wave LSTM forward"] == pytest.approx(
+        {"first_ms": 0.0, "last_ms": 25.0, "steps": 3}
+    )
+    assert kinds["wave LSTM backward"] == pytest.approx(
+        {"first_ms": 50.0, "last_ms": 90.0, "steps": 3}
+    )
+    # medians of the two steps with cuDNN work: 32 and 55 ms, 34 and 80 ms
+    assert kinds["cuDNN RNN"] == pytest.approx({"first_ms": 43.5, "last_ms": 57.0, "steps": 2})
+    assert kinds["fused loss"]["steps"] == 2
+    assert step_phases({"traceEvents": events}, "GEMM", 20.0) is None
+
+
 def test_overlap_of_interleaved_intervals():
     a = [(0.0, 5.0), (6.0, 10.0)]
     b = [(3.0, 7.0), (9.0, 12.0)]
@@ -149,6 +179,7 @@ def test_command_line_reads_a_gzipped_trace(tmp_path, repo_root):
         "the step's stream busy   0.00 ms of it, without it  1.50 ms, alone on the GPU  1.00 ms"
     ) in done.stdout
     assert json.loads(out.read_text())["streams"][1]["busy_ms"] == pytest.approx(4.0)
+    assert "no 'wave LSTM forward' work to find the steps by: no phases" in done.stdout
 
 
 def test_a_trace_without_device_work_is_refused():
