@@ -273,10 +273,7 @@ class TrainingGraphs:
         stack_factor = model.encoder.stack_time.factor
         blank = model.blank_idx
 
-        # gradients reach accumulators made on another stream by design, in the captures'
-        # warm-ups and in every backward of the prediction graph (its side stream): autograd
-        # makes the accumulating stream wait for them, so autograd's warning would be noise
-        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
+        _quiet_accumulate_grad_stream_warning()
         enc_pool = torch.cuda.graph_pool_handle()
         pred_pool = torch.cuda.graph_pool_handle()
         self._enc: list[EncoderBucket] = []  # ascending, like the tables' lengths
@@ -394,6 +391,16 @@ class TrainingGraphs:
         graphed = list(self.model.encoder.parameters()) + list(self.model.prediction.parameters())
         for param in graphed:
             param.register_hook(_first_grad_owner(param))
+
+
+def _quiet_accumulate_grad_stream_warning() -> None:
+    """Gradients reach accumulators made on another stream by design, in the captures'
+    warm-ups and in every backward of the prediction graph (its side stream); autograd makes
+    the accumulating stream wait for them, so the warning that newer torch versions give about
+    it would be noise. Older versions neither warn nor have the switch."""
+    quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+    if quiet is not None:
+        quiet(False)
 
 
 @contextmanager

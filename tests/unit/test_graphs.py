@@ -201,6 +201,22 @@ def test_the_capture_stream_is_set_inside_the_block_and_restored(monkeypatch):
         pass
 
 
+def test_the_accumulate_grad_stream_warning_is_turned_off_where_torch_has_it(monkeypatch):
+    from rnnt import graphs
+
+    calls = []
+    monkeypatch.setattr(
+        torch.autograd.graph,
+        "set_warn_on_accumulate_grad_stream_mismatch",
+        calls.append,
+        raising=False,
+    )
+    graphs._quiet_accumulate_grad_stream_warning()
+    assert calls == [False]
+    monkeypatch.delattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch")
+    graphs._quiet_accumulate_grad_stream_warning()  # an older torch: nothing to turn off
+
+
 # ------------------------------------------------------------------------------ GPU
 
 
