@@ -155,8 +155,8 @@ def step_phases(trace: dict, step_kind: str, step_gap_ms: float) -> dict | None:
     events = []
     for event in trace.get("traceEvents", []):
         if event.get("ph") == "X" and event.get("cat") in DEVICE_CATEGORIES:
-            start = float(event["ts"])
-            events.append((start, start + float(event.get("dur", 0.0)), kind_of(event["name"])))
+            start, end = float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0))
+            events.append((start, end, kind_of(str(event.get("name", "")))))
     events.sort()
     starts, previous_end = [], None
     for start, end, kind in events:

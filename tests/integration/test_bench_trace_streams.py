@@ -146,6 +146,10 @@ def test_step_phases_place_each_kind_inside_its_step():
     assert kinds["cuDNN RNN"] == pytest.approx({"first_ms": 43.5, "last_ms": 57.0, "steps": 2})
     assert kinds["fused loss"]["steps"] == 2
     assert step_phases({"traceEvents": events}, "GEMM", 20.0) is None
+    # an event without a name is "other" work, as in the kinds' table, not an error
+    unnamed = {"ph": "X", "cat": "kernel", "ts": 1_000.0, "dur": 500.0, "args": {"stream": 7}}
+    phases = step_phases({"traceEvents": events + [unnamed]}, "wave LSTM forward", 20.0)
+    assert phases["kinds"]["other"] == {"first_ms": 1.0, "last_ms": 1.5, "steps": 1}
 
 
 def test_overlap_of_interleaved_intervals():
